@@ -1,0 +1,1 @@
+"""The DFlash drafter trainer that gpuctl stages into a container and runs."""
