@@ -1,0 +1,65 @@
+"""Attention backends for the drafter: compiled flex_attention with a block mask, or SDPA with a dense mask.
+
+Both come from the one `mask_mod` in training/mask.py. A mask is built once per batch (`build_mask`) and shared
+by every drafter layer. Rows that see nothing (padding blocks) give 0 in both backends, never NaN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from training.mask import build_block_mask, dense_mask
+
+_compiled_flex = None
+
+
+def compiled_flex_attention():
+    """The process's one compiled flex_attention (fixed shapes, whole graph or a loud error)."""
+    # TODO(issue 4): return training/compile.py's SharedFlexAttention once it lands; this is the only caller.
+    global _compiled_flex
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+    return _compiled_flex
+
+
+def resolve_backend(name: str, device: torch.device | str) -> str:
+    """auto -> flex on CUDA, sdpa elsewhere (torch refuses flex_attention's backward on the CPU)."""
+    if name == "auto":
+        return "flex" if torch.device(device).type == "cuda" else "sdpa"
+    return name
+
+
+@dataclass
+class AttentionMask:
+    backend: str  # "flex" or "sdpa"
+    block_mask: BlockMask | None = None  # flex
+    dense: torch.Tensor | None = None  # sdpa: [B, 1, Q, KV] bool, empty rows opened (see below)
+    row_visible: torch.Tensor | None = None  # sdpa: [B, 1, Q, 1], False for rows that see nothing
+
+
+def build_mask(backend: str, anchors: torch.Tensor, block_valid: torch.Tensor, context_len: int,
+               block_size: int) -> AttentionMask:
+    """The DFlash mask for one batch, on the anchors' device."""
+    if backend == "flex":
+        return AttentionMask("flex", block_mask=build_block_mask(anchors, block_valid, context_len, block_size))
+    if backend != "sdpa":
+        raise ValueError(f"unknown attention backend {backend!r}")
+    dense = dense_mask(anchors, block_valid, context_len, block_size)
+    visible = dense.any(dim=-1, keepdim=True)
+    # SDPA turns a fully masked row into NaN (softmax over nothing); let it attend anywhere and zero it after.
+    return AttentionMask("sdpa", dense=(dense | ~visible)[:, None], row_visible=visible[:, None])
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+    """q [B, H, Q, d], k/v [B, Hkv, KV, d] (grouped-query) -> [B, H, Q, d]."""
+    if mask.backend == "flex":
+        return compiled_flex_attention()(q, k, v, block_mask=mask.block_mask, enable_gqa=q.shape[1] != k.shape[1])
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:  # expand the KV heads: keeps the memory-efficient kernels usable on every torch version
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense)
+    return out * mask.row_visible

@@ -1,0 +1,99 @@
+"""Checkpoints under <output_dir>/checkpoints/step_NNNNNNNN/, written atomically.
+
+Each holds the drafter's trainable weights (drafter.safetensors, with config.json describing the drafter) and
+everything a resumed run needs to continue exactly (state.pt: step, optimizer, scheduler, RNG states, data
+position). A checkpoint is written into a temporary directory, fsynced, then renamed into place, so a crash or a
+kill never leaves a half-written one where `latest_checkpoint` would find it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from training.model import Drafter
+
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def checkpoints_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir).expanduser() / "checkpoints"
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = checkpoints_dir(output_dir)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / "state.pt").is_file())
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    found = list_checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(output_dir: str | Path, step: int, drafter: Drafter, optimizer: torch.optim.Optimizer,
+                    scheduler, data_state: dict, config: dict, keep: int) -> Path:
+    """Write step's checkpoint atomically, then keep only the newest `keep` checkpoints."""
+    root = checkpoints_dir(output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:08d}"
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    weights = {name: t.detach().float().cpu().contiguous() for name, t in drafter.state_dict().items()}
+    save_file(weights, tmp / "drafter.safetensors")
+    (tmp / "config.json").write_text(json.dumps({"drafter": drafter.config.to_dict(), "train": config}, indent=2))
+    torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "rng": rng_state(), "data": data_state}, tmp / "state.pt")
+    for file in tmp.iterdir():
+        _fsync(file)
+    _fsync(tmp)
+    if final.exists():  # the same step written again (a resumed run): the new one replaces it
+        stale = root / f".stale-{final.name}-{os.getpid()}"
+        os.replace(final, stale)
+        shutil.rmtree(stale)
+    os.replace(tmp, final)
+    _fsync(root)
+    for old in list_checkpoints(output_dir)[:-keep]:
+        shutil.rmtree(old)
+    return final
+
+
+def load_checkpoint(path: Path, drafter: Drafter, optimizer: torch.optim.Optimizer, scheduler) -> dict:
+    """Restore weights, optimizer, scheduler and RNG; returns {"step", "data"}."""
+    device = next(drafter.parameters()).device
+    drafter.load_state_dict(load_file(path / "drafter.safetensors", device=str(device)))
+    state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"])
+    return {"step": state["step"], "data": state["data"]}

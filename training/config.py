@@ -1,0 +1,206 @@
+"""The trainer's configuration: one dataclass, TOML presets, `--set KEY=VALUE` overrides.
+
+Every problem with a config (unknown key, wrong type, bad value) raises ConfigError with a one-line message;
+the entry point prints it and exits 2.
+"""
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+PRESETS_DIR = Path(__file__).parent / "presets"
+DTYPES = ("auto", "bfloat16", "float32")
+ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
+
+
+class ConfigError(ValueError):
+    """A bad configuration: the message is one line meant for the user."""
+
+
+@dataclass
+class TrainConfig:
+    # What to train against, where to write.
+    target_path: str = ""  # a Hugging Face model directory (weights + tokenizer with a chat template)
+    data_path: str = ""  # JSONL, one {"messages": [{"role": .., "content": ..}, ..]} per line
+    eval_data_path: str = ""  # JSONL of held-out conversations; "" = the last eval_prompts of data_path
+    output_dir: str = "runs/dflash"
+    build_tiny: bool = False  # build the tiny random Qwen3 target and its data at the paths above if missing
+    overwrite_output: bool = False  # a fresh run may delete an earlier run's checkpoints in output_dir
+
+    # Optimisation (the paper's recipe by default).
+    max_steps: int = 1000
+    batch_size: int = 1
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 0
+
+    # Shapes.
+    max_length: int = 3072
+    length_buckets: list[int] = field(default_factory=list)  # padded sequence lengths; [] = [max_length]
+    block_size: int = 16
+    num_anchors: int = 512
+    num_draft_layers: int = 5
+    target_layers: list[int] = field(default_factory=list)  # [] = 5 layers from the second to the third-last
+    gamma: float = 7.0
+    loss_chunk_size: int = 2048  # block positions per chunk of the vocabulary-wide cross-entropy
+
+    # Devices and numerics.
+    target_devices: list[int | str] | str = "cpu"  # GPU indices and/or "cpu" entries, or "cpu"
+    drafter_devices: list[int | str] | str = "cpu"
+    dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on the CPU
+    attention: str = "auto"  # auto = flex on CUDA, sdpa on the CPU
+    num_threads: int = 0  # torch CPU threads; 0 = torch's default
+
+    # Logging, checkpoints, evaluation.
+    log_every: int = 10
+    save_every: int = 500
+    keep_checkpoints: int = 2
+    eval_every: int = 500  # 0 = never; also evaluated before the first step and after the last
+    eval_prompts: int = 8
+    eval_new_tokens: int = 256
+
+    def validate(self) -> "TrainConfig":
+        """Check values beyond their types; returns self."""
+        positive = ("max_steps", "batch_size", "max_length", "block_size", "num_anchors", "num_draft_layers",
+                    "loss_chunk_size", "log_every", "save_every", "keep_checkpoints", "eval_new_tokens")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("eval_every", "eval_prompts", "num_threads", "weight_decay", "seed"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ConfigError(f"lr must be > 0, got {self.lr}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if not self.grad_clip > 0:
+            raise ConfigError(f"grad_clip must be > 0, got {self.grad_clip}")
+        if not self.gamma > 0:
+            raise ConfigError(f"gamma must be > 0, got {self.gamma}")
+        if self.block_size < 2:
+            raise ConfigError(f"block_size must be >= 2, got {self.block_size}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention!r}")
+        buckets = self.buckets()
+        if any(b <= 0 for b in buckets) or buckets != sorted(set(buckets)):
+            raise ConfigError(f"length_buckets must be distinct positive lengths, got {self.length_buckets}")
+        if buckets[-1] < self.max_length:
+            raise ConfigError(f"the largest length bucket ({buckets[-1]}) is below max_length ({self.max_length})")
+        if self.max_length < 2 * self.block_size + 1:
+            raise ConfigError(f"max_length ({self.max_length}) must exceed 2 * block_size ({self.block_size})")
+        if any(layer < 0 for layer in self.target_layers):
+            raise ConfigError(f"target_layers must be layer indices >= 0, got {self.target_layers}")
+        for name in ("target_devices", "drafter_devices"):
+            parse_devices(getattr(self, name), name)
+        for name in ("target_path", "data_path", "output_dir"):
+            if not getattr(self, name):
+                raise ConfigError(f"{name} is not set (use --set {name}=...)")
+        return self
+
+    def buckets(self) -> list[int]:
+        return list(self.length_buckets) or [self.max_length]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def parse_devices(value: list[int | str] | str, name: str = "devices") -> list[str]:
+    """Normalise a device list to torch device strings: 0 -> "cuda:0", "cpu" -> "cpu"."""
+    entries = [value] if isinstance(value, str) else list(value)
+    if not entries:
+        raise ConfigError(f"{name} is empty")
+    devices = []
+    for entry in entries:
+        if isinstance(entry, int) and not isinstance(entry, bool) and entry >= 0:
+            devices.append(f"cuda:{entry}")
+        elif entry == "cpu":
+            devices.append("cpu")
+        elif isinstance(entry, str) and entry.startswith("cuda:") and entry[5:].isdigit():
+            devices.append(entry)
+        else:
+            raise ConfigError(f"{name}: {entry!r} is neither a GPU index nor \"cpu\"")
+    return devices
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _matches(value, tp) -> bool:
+    """Whether a TOML value fits a field's annotation (int is a valid float, bool is not an int)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, arg) for arg in typing.get_args(tp))
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return isinstance(value, list) and all(_matches(v, item) for v in value)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, tp)
+
+
+def _apply(values: dict, where: str, config: TrainConfig) -> None:
+    hints = typing.get_type_hints(TrainConfig)
+    for key, value in values.items():
+        if key not in hints:
+            raise ConfigError(f"unknown config key {key!r} ({where})")
+        if not _matches(value, hints[key]):
+            raise ConfigError(f"{key} must be {_type_name(hints[key])}, got {value!r} ({where})")
+        if hints[key] is float:
+            value = float(value)
+        setattr(config, key, value)
+
+
+def parse_override(text: str) -> tuple[str, object]:
+    """KEY=VALUE with VALUE read as a TOML literal (42, 1e-4, true, [0, 1], "x"), else as a plain string."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"--set expects KEY=VALUE, got {text!r}")
+    try:
+        value = tomllib.loads(f"value = {raw}")["value"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key, value
+
+
+def resolve_preset(name_or_path: str) -> Path:
+    path = Path(name_or_path).expanduser()
+    if path.suffix == ".toml" or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        return path
+    preset = PRESETS_DIR / f"{name_or_path}.toml"
+    if not preset.is_file():
+        known = ", ".join(sorted(p.stem for p in PRESETS_DIR.glob("*.toml")))
+        raise ConfigError(f"no preset named {name_or_path!r} (known: {known}) and no such file")
+    return preset
+
+
+def load_config(name_or_path: str | None, overrides: list[str] = ()) -> TrainConfig:
+    """Defaults, then the TOML preset or file, then each --set override; validated."""
+    config = TrainConfig()
+    if name_or_path:
+        path = resolve_preset(name_or_path)
+        try:
+            values = tomllib.loads(path.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+            raise ConfigError(f"{path}: not valid TOML: {err}") from None
+        _apply(values, str(path), config)
+    for text in overrides:
+        key, value = parse_override(text)
+        _apply({key: value}, f"--set {text}", config)
+    return config.validate()

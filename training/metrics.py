@@ -1,0 +1,51 @@
+"""Metrics: one JSON object per line for machines (gpuctl status reads it), one text line for people.
+
+The JSON goes to $GPUCTL_METRICS when set, else <output_dir>/metrics.jsonl. Every record has `step`,
+`total_steps` and `time` (Unix seconds) and `elapsed_s`; training records add `loss`, `lr`, `tokens_per_s`
+(real target tokens per second over the logging window), `accuracy` and `grad_norm`; evaluations add
+`acceptance_length`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def metrics_path(output_dir: str | Path) -> Path:
+    return Path(os.environ.get("GPUCTL_METRICS") or Path(output_dir).expanduser() / "metrics.jsonl")
+
+
+class MetricsLog:
+    def __init__(self, path: Path, total_steps: int, start_time: float | None = None):
+        self.path = path
+        self.total_steps = total_steps
+        self.start = time.time() if start_time is None else start_time
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, step: int, **values) -> dict:
+        """Append one record and print its human-readable form."""
+        now = time.time()
+        record = {"step": step, "total_steps": self.total_steps, "time": round(now, 3),
+                  "elapsed_s": round(now - self.start, 3), **values}
+        with open(self.path, "a") as file:
+            file.write(json.dumps(record) + "\n")
+        print(format_progress(record), flush=True)
+        return record
+
+
+def format_progress(record: dict) -> str:
+    parts = [f"step {record['step']}/{record['total_steps']}"]
+    formats = {"loss": "loss {:.4f}", "accuracy": "acc {:.3f}", "lr": "lr {:.2e}", "grad_norm": "grad {:.3f}",
+               "tokens_per_s": "tok/s {:.0f}", "acceptance_length": "tau {:.3f}"}
+    parts += [fmt.format(record[key]) for key, fmt in formats.items() if record.get(key) is not None]
+    parts.append(f"{record['elapsed_s']:.1f}s")
+    return "  ".join(parts)
+
+
+def say(message: str) -> None:
+    """A human line on stdout, flushed at once (the log is read through a file while the run goes on)."""
+    print(message, file=sys.stdout, flush=True)

@@ -1,0 +1,168 @@
+"""The DFlash drafter (DESIGN §5): a few Qwen3-style layers that denoise a block of masked tokens at once,
+conditioned on the target's hidden states through KV injection.
+
+Per batch row: the context is the target's features for positions 0..S-1 (fused once: Linear(n*D -> D) +
+RMSNorm); the queries are N blocks of `block_size` tokens, block n starting at its anchor. In every layer the
+keys and values are [proj(context); proj(block tokens)] and the mask (training/mask.py) lets a block token see
+the context before its anchor and its own block, non-causally. RoPE positions: context 0..S-1, block token k
+at anchor + k. The embedding and LM head are the target's, frozen (buffers, outside the optimizer and the
+checkpoint).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from training.attention import AttentionMask, attend
+from training.target import rope_theta
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int
+    num_layers: int
+    num_features: int  # how many target layers are concatenated
+    block_size: int
+    target_layers: list[int]
+
+    @classmethod
+    def from_target(cls, target_config, num_layers: int, block_size: int, target_layers: list[int]) -> DrafterConfig:
+        hidden = target_config.hidden_size
+        heads = target_config.num_attention_heads
+        return cls(
+            hidden_size=hidden, num_heads=heads,
+            num_kv_heads=getattr(target_config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(target_config, "head_dim", None) or hidden // heads,
+            intermediate_size=target_config.intermediate_size, rms_norm_eps=target_config.rms_norm_eps,
+            rope_theta=rope_theta(target_config), vocab_size=target_config.vocab_size, num_layers=num_layers,
+            num_features=len(target_layers), block_size=block_size, target_layers=list(target_layers),
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # In float32, returned in the input's dtype so that autocast keeps q/k/v in one dtype.
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * normed).to(x.dtype)
+
+
+def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, 1, T, head_dim] for integer positions [B, T] (the half-rotation layout of Qwen3)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    freqs = positions[..., None].float() * inv_freq
+    angles = torch.cat([freqs, freqs], dim=-1)[:, None]
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor, context: torch.Tensor, rope_q: tuple, rope_kv: tuple,
+                mask: AttentionMask) -> torch.Tensor:
+        batch, q_len, _ = hidden.shape
+        kv_len = context.shape[1] + q_len
+        x = self.input_norm(hidden)
+        q = self.q_norm(self.q_proj(x).view(batch, q_len, self.num_heads, self.head_dim))
+        # KV injection: the target's context and the block tokens share this layer's k/v projections.
+        k = torch.cat([self.k_proj(context), self.k_proj(x)], dim=1).view(batch, kv_len, self.num_kv_heads, -1)
+        v = torch.cat([self.v_proj(context), self.v_proj(x)], dim=1).view(batch, kv_len, self.num_kv_heads, -1)
+        q = apply_rotary(q.transpose(1, 2), *rope_q)
+        k = apply_rotary(self.k_norm(k).transpose(1, 2), *rope_kv)
+        out = attend(q, k, v.transpose(1, 2), mask)
+        hidden = hidden + self.o_proj(out.transpose(1, 2).reshape(batch, q_len, -1))
+        x = self.post_attention_norm(hidden)
+        return hidden + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Drafter(nn.Module):
+    def __init__(self, config: DrafterConfig, embedding: torch.Tensor, lm_head: torch.Tensor):
+        super().__init__()
+        c = self.config = config
+        self.fc = nn.Linear(c.num_features * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        # Block positions 1.. start from a learned vector rather than a mask token id: the embedding is frozen,
+        # so a token id would pin them to an arbitrary untrained row (Qwen3 has no <|MASK|> token); the vector
+        # costs D parameters and learns what a "not yet known" input should look like.
+        self.mask_embedding = nn.Parameter(torch.empty(c.hidden_size))
+        # The target's own embedding and LM head, frozen: buffers stay out of the optimizer and the checkpoint.
+        self.register_buffer("embed_weight", embedding.detach(), persistent=False)
+        self.register_buffer("lm_head_weight", lm_head.detach(), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+        nn.init.normal_(self.mask_embedding, std=float(self.embed_weight.float().std()))
+
+    def forward(self, features: torch.Tensor, anchor_tokens: torch.Tensor, anchors: torch.Tensor,
+                mask: AttentionMask) -> torch.Tensor:
+        """features [B, S, n*D], anchor_tokens/anchors [B, N] -> final-normed hidden states [B, N*block, D];
+        row n*block + k predicts the token at anchors[:, n] + k."""
+        batch, context_len, _ = features.shape
+        num_blocks, block = anchors.shape[1], self.config.block_size
+        context = self.hidden_norm(self.fc(features))
+        anchor_embeds = F.embedding(anchor_tokens, self.embed_weight).to(self.mask_embedding.dtype)
+        masked = self.mask_embedding.expand(batch, num_blocks, block - 1, -1)
+        hidden = torch.cat([anchor_embeds[:, :, None], masked], dim=2).reshape(batch, num_blocks * block, -1)
+
+        offsets = torch.arange(block, device=anchors.device)
+        block_positions = (anchors[:, :, None] + offsets).reshape(batch, -1)
+        context_positions = torch.arange(context_len, device=anchors.device).expand(batch, -1)
+        c = self.config
+        rope_q = rotary_tables(block_positions, c.head_dim, c.rope_theta)
+        rope_kv = rotary_tables(torch.cat([context_positions, block_positions], dim=1), c.head_dim, c.rope_theta)
+        for layer in self.layers:
+            hidden = layer(hidden, context, rope_q, rope_kv, mask)
+        return self.norm(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full logits: only for small inputs (evaluation); training uses the chunked loss."""
+        return hidden.to(self.lm_head_weight.dtype) @ self.lm_head_weight.T
+
+    def num_trainable(self) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
