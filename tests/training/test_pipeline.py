@@ -1,0 +1,291 @@
+"""The threaded pipeline on CPU threads with toy stages (pipeline_toys.py), and on GPUs where there are some."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from pipeline_toys import EventLog, ToyDrafter, ToyFailure, ToyTarget, make_batches, replica_factory
+
+from training.pipeline import (
+    Pipeline,
+    PipelineConfig,
+    PipelineError,
+    PipelineStalled,
+    StepReport,
+    resolve_devices,
+    sum_and_clip_gradients,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def build(targets, drafters, per_step, steps, *, queue_depth=4, grad_clip=1.0, target_options=None,
+          drafter_options=None, on_step=None, batches=None, **config):
+    config = PipelineConfig(
+        target_devices=targets, drafter_devices=drafters, micro_batches_per_step=per_step,
+        queue_depth=queue_depth, grad_clip=grad_clip, **config,
+    )
+    return Pipeline(
+        config,
+        lambda device: ToyTarget(device, **(target_options or {})),
+        replica_factory(drafters, **(drafter_options or {})),
+        batches if batches is not None else make_batches(steps * per_step),
+        start_step=0,
+        max_steps=steps,
+        on_step=on_step,
+    )
+
+
+def reference_parameters(batches, per_step, steps, grad_clip, device=CPU):
+    """The plain single-device loop: M micro-batches per step, each loss / M, clip, one optimizer step."""
+    target, drafter = ToyTarget(device), ToyDrafter(device)
+    params = drafter.trainable_parameters()
+    norms = []
+    for step in range(steps):
+        for batch in batches[step * per_step:(step + 1) * per_step]:
+            with torch.no_grad():
+                features = target.features(batch)
+            (drafter.loss(features, {**batch, "y": batch["y"].to(device)}) / per_step).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, grad_clip)))
+        drafter.optimizer_step()
+        drafter.optimizer.zero_grad(set_to_none=True)
+    return [p.detach().cpu() for p in params], norms
+
+
+def assert_replicas_identical(pipeline):
+    first = pipeline.drafters[0].trainable_parameters()
+    for replica in pipeline.drafters[1:]:
+        for a, b in zip(first, replica.trainable_parameters()):
+            assert torch.equal(a.cpu(), b.cpu())
+
+
+def test_many_steps_with_several_target_and_drafter_threads():
+    log = EventLog()
+    reports: list[StepReport] = []
+    per_step, steps = 4, 25
+    pipeline = build([CPU] * 3, [CPU] * 2, per_step, steps, queue_depth=3, on_step=reports.append,
+                     target_options={"log": log}, drafter_options={"log": log})
+    result = pipeline.run()
+
+    assert (result.steps_done, result.stopped) == (steps, False)
+    assert [r.step for r in reports] == list(range(1, steps + 1))
+    assert all(torch.isfinite(torch.tensor([r.loss, r.grad_norm])).all() for r in reports)
+    taken = sorted(n for kind, *rest in log.events if kind == "loss" for n in rest[1:])
+    assert taken == list(range(steps * per_step))  # every micro-batch exactly once
+    # A replica computes step g's micro-batches (n // M == g) only after its own update of step g - 1.
+    for replica in range(2):
+        updates = 0
+        for kind, *rest in log.events:
+            if kind == "step" and rest[0] == replica:
+                updates = rest[1]
+            elif kind == "loss" and rest[0] == replica:
+                assert rest[1] // per_step == updates
+    assert_replicas_identical(pipeline)
+
+
+@pytest.mark.parametrize("replicas,per_step", [(1, 5), (2, 5), (3, 5), (3, 2)])
+def test_k_replica_step_equals_single_replica_step(replicas, per_step):
+    steps, clip = 4, 0.5
+    batches = make_batches(steps * per_step)
+    reports: list[StepReport] = []
+    pipeline = build([CPU] * 3, [CPU] * replicas, per_step, steps, grad_clip=clip, batches=batches,
+                     on_step=reports.append)
+    pipeline.run()
+
+    expected, norms = reference_parameters(batches, per_step, steps, clip)
+    assert [r.grad_norm for r in reports] == pytest.approx(norms, rel=1e-5)
+    assert any(norm > clip for norm in norms)  # clipping took part
+    for got, want in zip(pipeline.drafters[0].trainable_parameters(), expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert_replicas_identical(pipeline)
+
+
+def test_queue_depth_is_bounded_and_targets_run_ahead():
+    log = EventLog()
+    per_step, steps, bound = 2, 8, 3
+    pipeline = build([CPU] * 3, [CPU], per_step, steps, queue_depth=bound,
+                     target_options={"log": log}, drafter_options={"log": log, "delay_s": 0.02})
+    pipeline.run()
+
+    # Slow drafter, fast targets: the queue fills to its bound and never past it.
+    assert pipeline.utilisation().queue_depth_max == bound
+    # Targets computed features of a later step before the drafter's update of the earlier one (the overlap).
+    updates, ran_ahead = 0, False
+    for kind, *rest in log.events:
+        if kind == "step":
+            updates = rest[1]
+        elif kind == "features" and rest[0] // per_step > updates:
+            ran_ahead = True
+    assert ran_ahead
+
+
+def test_busy_fractions_and_queue_depth_in_metrics():
+    windows = []
+    pipeline = build([CPU] * 2, [CPU], 2, 6, drafter_options={"delay_s": 0.03},
+                     on_step=lambda report: windows.append(pipeline.utilisation()))
+    pipeline.run()
+
+    assert len(windows) == 6
+    for window in windows:
+        metrics = window.as_metrics()
+        assert set(metrics["busy"]) == {"target0", "target1", "drafter0"}
+        assert all(0.0 <= fraction <= 1.0 for fraction in metrics["busy"].values())
+        assert 0 <= metrics["queue_depth"]["mean"] <= metrics["queue_depth"]["max"] <= 4
+        assert "drafter0" in window.summary() and "queue" in window.summary()
+    # The sleeping drafter is the bottleneck: mostly busy, the targets mostly waiting for room.
+    whole = sum(w.busy["drafter0"] for w in windows[1:]) / len(windows[1:])
+    assert whole > 0.5
+    assert whole > max(sum(w.busy[t] for w in windows[1:]) / len(windows[1:]) for t in ("target0", "target1"))
+
+
+@pytest.mark.parametrize(
+    "where,options",
+    [
+        ("drafter", {"drafter_options": {"fail_at": 7}}),
+        ("target", {"target_options": {"fail_at": 5}}),  # drafters are left waiting for its features
+    ],
+)
+def test_a_failing_thread_stops_the_whole_pipeline(where, options):
+    pipeline = build([CPU] * 2, [CPU] * 2, 2, 200, queue_depth=2, **options)
+    start = time.monotonic()
+    with pytest.raises(PipelineError, match="failed on micro-batch") as caught:
+        pipeline.run()
+
+    assert time.monotonic() - start < 10
+    assert isinstance(caught.value.error, ToyFailure)
+    assert caught.value.thread.startswith(where)
+    assert "ToyFailure" in caught.value.traceback_text and "pipeline_toys.py" in caught.value.traceback_text
+    assert caught.value.still_running == []
+    assert not [t for t in threading.enumerate() if t.name.startswith(("target", "drafter"))]
+
+
+def test_a_failing_factory_releases_the_threads_waiting_at_the_barrier():
+    def make_drafter(device):
+        raise ToyFailure("no drafter today")
+
+    pipeline = Pipeline(PipelineConfig([CPU] * 2, [CPU] * 2, 2), ToyTarget, make_drafter, make_batches(8),
+                        start_step=0, max_steps=4)
+    with pytest.raises(PipelineError, match="no drafter today"):
+        pipeline.run()
+
+
+def test_a_stalled_pipeline_is_an_error_with_every_stack():
+    release = threading.Event()
+    pipeline = build([CPU], [CPU], 2, 4, drafter_options={"block": release}, stall_timeout_s=1.0,
+                     abort_grace_s=1.0)
+    try:
+        with pytest.raises(PipelineError, match="no progress") as caught:
+            pipeline.run()
+    finally:
+        release.set()
+    assert isinstance(caught.value.error, PipelineStalled)
+    assert "drafter0" in str(caught.value.error) and "in loss" in str(caught.value.error)
+    assert caught.value.still_running == ["drafter0"]
+
+
+def test_requested_stop_ends_at_a_step_boundary_without_a_partial_step():
+    per_step, clip = 3, 1.0
+    batches = make_batches(100 * per_step)
+
+    def stop_at_third(report):
+        if report.step == 3:
+            pipeline.request_stop()
+
+    pipeline = build([CPU] * 2, [CPU] * 2, per_step, 100, batches=batches, on_step=stop_at_third,
+                     drafter_options={"delay_s": 0.005})
+    result = pipeline.run()
+
+    # Replica 1 may have finished all of step 4 before it saw the request; a step counts only when complete.
+    assert result.stopped and result.steps_done in (3, 4)
+    expected, _ = reference_parameters(batches, per_step, result.steps_done, clip)
+    for got, want in zip(pipeline.drafters[0].trainable_parameters(), expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert_replicas_identical(pipeline)
+
+
+def run_toy_cli(tmp_path, *args, signal_after_step=None):
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests' / 'training'}"}
+    command = [sys.executable, str(REPO / "tests" / "training" / "pipeline_toys.py"),
+               "--checkpoint", str(tmp_path / "ckpt.json"), *args]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if signal_after_step is not None:
+        for line in process.stdout:
+            if line.startswith(f"step {signal_after_step} "):
+                process.send_signal(signal.SIGTERM)
+                break
+    stdout, stderr = process.communicate(timeout=120)
+    return process.returncode, stdout, stderr
+
+
+def test_cli_exits_non_zero_with_the_failing_threads_traceback(tmp_path):
+    code, _, stderr = run_toy_cli(tmp_path, "--fail-at", "6", "--drafter-delay", "0.001")
+    assert code == 1
+    assert "error: drafter" in stderr and "ToyFailure: drafter failed on micro-batch 6" in stderr
+    assert "in loss" in stderr  # the failing thread's own frames
+    assert not (tmp_path / "ckpt.json").exists()
+
+
+def test_cli_sigterm_finishes_cleanly_with_a_checkpoint(tmp_path):
+    code, stdout, _ = run_toy_cli(tmp_path, "--drafter-delay", "0.01", signal_after_step=2)
+    assert code == 0
+    saved = json.loads((tmp_path / "ckpt.json").read_text())
+    assert saved["stopped"] and 2 <= saved["steps_done"] < 1000
+    assert f"saved checkpoint at step {saved['steps_done']}" in stdout
+
+
+def test_resolve_devices():
+    assert resolve_devices(["cpu", "CPU"], "target_devices") == [CPU, CPU]
+    with pytest.raises(ValueError, match="drafter_devices: 'gpu0'"):
+        resolve_devices(["gpu0"], "drafter_devices")
+    with pytest.raises(ValueError, match="must list at least one"):
+        resolve_devices([], "target_devices")
+    if torch.cuda.device_count() < 8:
+        with pytest.raises(ValueError, match="GPU 7 does not exist"):
+            resolve_devices([7], "target_devices")
+
+
+def test_gradient_sum_without_clipping_is_the_plain_sum():
+    grads = [[torch.full((3,), float(r + 1)), torch.full((2, 2), -float(r))] for r in range(3)]
+    summed, norm = sum_and_clip_gradients(grads, [CPU] * 3, None)
+    for replica in summed:
+        torch.testing.assert_close(replica[0], torch.full((3,), 6.0))
+        torch.testing.assert_close(replica[1], torch.full((2, 2), -3.0))
+    assert summed[1][0] is not summed[0][0]  # each replica owns its copy
+    torch.testing.assert_close(norm, torch.tensor((3 * 36.0 + 4 * 9.0) ** 0.5))
+
+
+gpu = pytest.mark.gpu
+
+
+@gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("drafter_gpus", [[0, 1], [1, 1]])  # NCCL across GPUs; plain sum on a shared GPU
+def test_gpu_replicas_match_single_replica_and_stay_identical(drafter_gpus):
+    steps, per_step, clip = 4, 5, 0.5
+    batches = make_batches(steps * per_step)
+    targets = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    drafters = [torch.device("cuda", i) for i in drafter_gpus]
+    pipeline = build(targets, drafters, per_step, steps, grad_clip=clip, batches=batches)
+    pipeline.run()
+    expected, _ = reference_parameters(batches, per_step, steps, clip, device=torch.device("cuda", 0))
+    for got, want in zip(pipeline.drafters[0].trainable_parameters(), expected):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
+    assert_replicas_identical(pipeline)

@@ -1,0 +1,598 @@
+"""The threaded training pipeline: target threads turn micro-batches into features, drafter threads train on them.
+
+One process, one thread per device entry. Target threads each own a frozen target replica; drafter threads each
+own a drafter replica and its optimizer. A global step is `micro_batches_per_step` micro-batches; every drafter
+accumulates the gradients of the micro-batches it took (each loss scaled by 1/M), then at the step boundary the
+gradients are summed across replicas (NCCL through torch.cuda.comm on distinct GPUs, a plain sum otherwise),
+clipped once, and every replica steps its own optimizer on the same gradients, so replicas stay bit-identical.
+
+What keeps it correct:
+- Order: micro-batch n of the source belongs to step start + n // M, index n % M, whichever thread computes it.
+  Drafters claim a step's indices in order, so with one drafter the accumulation order is fixed too.
+- Bounded: at most `queue_depth` micro-batches live between a target's claim and a drafter's take; targets may
+  run ahead into later steps within that bound, drafters never start step g+1 before their step g update.
+- Streams: on CUDA each thread works on its own stream and synchronizes it at the end of every busy span; tensors
+  cross threads only after that, and each consumer holds them until its own stream has synchronized.
+- Stop: an exception in any thread aborts every wait and ends every thread; `run` raises `PipelineError` with that
+  thread's error and traceback. A requested stop (SIGTERM, SIGINT) ends at a step boundary: the current step
+  finishes if all its micro-batches were already done, otherwise it is dropped.
+- Compile discipline: each thread calls its worker's optional `warm_up()` on its own device, then every thread
+  meets at one barrier before steady state (no thread works while another may still be compiling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from typing import Any, Protocol
+
+import torch
+
+# How long a blocked wait sleeps before re-checking the stop flags (waits are also woken on every change).
+_POLL_S = 0.5
+# Gradient buckets for the NCCL reduce/broadcast: large enough that a 1 B-parameter drafter is a few hundred calls.
+_COMM_BUCKET_BYTES = 256 * 2**20
+
+
+class TargetWorker(Protocol):
+    """A frozen target replica on one device. May also define `warm_up(self) -> None`."""
+
+    def features(self, batch: Any) -> Any:
+        """The drafter's input features for one micro-batch (called under torch.no_grad)."""
+
+
+class DrafterWorker(Protocol):
+    """A drafter replica and its optimizer on one device. May also define `warm_up(self) -> None`."""
+
+    def trainable_parameters(self) -> list[torch.Tensor]:
+        """The parameters that train, in the same order on every replica."""
+
+    def loss(self, features: Any, batch: Any) -> torch.Tensor:
+        """The mean loss of one micro-batch; features and batch are already on this replica's device."""
+
+    def optimizer_step(self) -> None:
+        """Step the optimizer (and LR schedule) on the gradients the pipeline has put in `.grad`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    target_devices: Sequence[torch.device]
+    drafter_devices: Sequence[torch.device]
+    micro_batches_per_step: int
+    queue_depth: int = 4
+    grad_clip: float | None = 1.0
+    # No progress (no micro-batch, no step, no thread ready) for this long is a hang: abort with every stack.
+    stall_timeout_s: float = 1800.0
+    # After an abort, how long to wait for threads still inside a long device call before giving up on them.
+    abort_grace_s: float = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+    step: int  # steps completed, this one included
+    loss: float  # mean micro-batch loss of the step
+    grad_norm: float  # total gradient norm before clipping
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+    steps_done: int
+    stopped: bool  # a stop was requested before max_steps
+
+
+@dataclasses.dataclass(frozen=True)
+class Utilisation:
+    busy: dict[str, float]  # thread name -> fraction of the window it was busy
+    queue_depth_mean: float  # time-weighted mean of ready micro-batches waiting for a drafter
+    queue_depth_max: int
+    queue_bound: int
+
+    def as_metrics(self) -> dict[str, Any]:
+        return {
+            "busy": {name: round(fraction, 4) for name, fraction in self.busy.items()},
+            "queue_depth": {
+                "mean": round(self.queue_depth_mean, 3),
+                "max": self.queue_depth_max,
+                "bound": self.queue_bound,
+            },
+        }
+
+    def summary(self) -> str:
+        busy = " ".join(f"{name} {fraction:.0%}" for name, fraction in self.busy.items())
+        return f"busy {busy} | queue {self.queue_depth_mean:.1f}/{self.queue_bound} max {self.queue_depth_max}"
+
+
+class PipelineError(RuntimeError):
+    """A pipeline thread failed (or the pipeline stalled); carries that thread's formatted traceback."""
+
+    def __init__(self, thread: str, error: BaseException, still_running: Sequence[str] = ()):
+        super().__init__(f"{thread} failed: {type(error).__name__}: {error}")
+        self.thread = thread
+        self.error = error
+        self.traceback_text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        self.still_running = list(still_running)
+
+
+class PipelineStalled(RuntimeError):
+    pass
+
+
+def resolve_devices(entries: Sequence[int | str], key: str) -> list[torch.device]:
+    """Config device entries (GPU index, "cuda:N" or "cpu") as torch devices; ValueError names the bad one."""
+    if not entries:
+        raise ValueError(f"{key} must list at least one device")
+    devices = []
+    for entry in entries:
+        text = str(entry).strip().lower()
+        if text == "cpu":
+            devices.append(torch.device("cpu"))
+            continue
+        index = text.removeprefix("cuda:")
+        if not index.isdigit():
+            raise ValueError(f"{key}: {entry!r} is not a GPU index, 'cuda:N' or 'cpu'")
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if int(index) >= count:
+            raise ValueError(f"{key}: GPU {index} does not exist here ({count} CUDA devices)")
+        devices.append(torch.device("cuda", int(index)))
+    return devices
+
+
+def move_to_device(obj: Any, device: torch.device) -> Any:
+    """Tensors inside tensors/lists/tuples/dicts/dataclasses moved to `device`; anything else unchanged."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, dict):
+        return {key: move_to_device(value, device) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        moved = [move_to_device(value, device) for value in obj]
+        return type(obj)(*moved) if hasattr(obj, "_fields") else type(obj)(moved)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: move_to_device(getattr(obj, f.name), device) for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **changes)
+    return obj
+
+
+def sum_and_clip_gradients(
+    grads: list[list[torch.Tensor]], devices: Sequence[torch.device], max_norm: float | None
+) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
+    """Sum per-replica gradient lists onto replica 0's device, clip the sum like clip_grad_norm_, and give
+    every replica its own copy of the result.
+
+    Returns (one gradient list per replica, the pre-clip total norm). On distinct GPUs this is an NCCL reduce +
+    broadcast (torch.cuda.comm); otherwise (CPU, or replicas sharing a GPU) a plain sum in replica order.
+    """
+    distinct_gpus = all(d.type == "cuda" for d in devices) and len({d.index for d in devices}) == len(devices)
+    if len(grads) == 1:
+        total = list(grads[0])
+    elif distinct_gpus:
+        total = list(torch.cuda.comm.reduce_add_coalesced(grads, devices[0].index, _COMM_BUCKET_BYTES))
+    else:
+        total = [g.clone() for g in grads[0]]
+        for replica_grads in grads[1:]:
+            torch._foreach_add_(total, [g.to(devices[0]) for g in replica_grads])
+    norm = torch.nn.utils.get_total_norm(total)
+    if max_norm is not None:
+        # Same arithmetic as clip_grad_norm_, so one replica here equals a plain single-device step.
+        torch._foreach_mul_(total, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    if len(grads) == 1:
+        return [total], norm
+    if distinct_gpus:
+        # One list per entry of `devices`, in that order (devices[0], the source, must come first).
+        copies = torch.cuda.comm.broadcast_coalesced(total, [d.index for d in devices], _COMM_BUCKET_BYTES)
+        return [list(c) for c in copies], norm
+    return [total] + [[t.to(device, copy=True) for t in total] for device in devices[1:]], norm
+
+
+class _Handoff:
+    """Micro-batches from the source through target threads to drafter threads, bounded and in order."""
+
+    def __init__(self, source: Iterable[Any], total: int, per_step: int, start_step: int, bound: int):
+        self._source: Iterator[Any] = iter(source)
+        self._source_lock = threading.Lock()
+        self._total = total
+        self._per_step = per_step
+        self._start_step = start_step
+        self.bound = bound
+        self.cond = threading.Condition()
+        self.stopping = False  # no new work: a requested stop or an abort
+        self.aborted = False
+        self._claimed = 0  # slots handed to targets so far
+        self._source_position = 0  # micro-batches read from the source so far
+        self._live = 0  # claimed by a target and not yet taken by a drafter
+        self._ready: dict[tuple[int, int], Any] = {}
+        self._next_index: dict[int, int] = {}  # step -> next index a drafter claims
+        self._done: dict[int, int] = {}  # step -> micro-batches whose backward finished
+        self._depth_area = 0.0
+        self._depth_since = time.perf_counter()
+        self._depth_max = 0
+
+    def _note_depth_change(self) -> None:
+        now = time.perf_counter()
+        self._depth_area += len(self._ready) * (now - self._depth_since)
+        self._depth_since = now
+
+    def take_depth_window(self, window_s: float) -> tuple[float, int]:
+        with self.cond:
+            self._note_depth_change()
+            mean = self._depth_area / window_s if window_s > 0 else 0.0
+            peak = self._depth_max
+            self._depth_area, self._depth_max = 0.0, len(self._ready)
+            return mean, peak
+
+    def _wait(self) -> None:
+        self.cond.wait(_POLL_S)
+
+    def stop(self, abort: bool) -> None:
+        with self.cond:
+            self.stopping = True
+            self.aborted = self.aborted or abort
+            self.cond.notify_all()
+
+    # Target side.
+    def claim_for_target(self) -> tuple[tuple[int, int], Any] | None:
+        """The next micro-batch in source order, once there is room for it; None when there is no more work."""
+        with self.cond:
+            while not self.stopping and self._claimed < self._total and self._live >= self.bound:
+                self._wait()
+            if self.stopping or self._claimed >= self._total:
+                return None
+            self._live += 1
+            self._claimed += 1
+        # The source lock, not the handoff's, serialises data work, so drafters are not held up by it;
+        # taking the ordinal and the item under one lock keeps the source order.
+        with self._source_lock:
+            ordinal = self._source_position
+            self._source_position += 1
+            try:
+                batch = next(self._source)
+            except StopIteration:
+                raise RuntimeError(
+                    f"the micro-batch source ended after {ordinal} micro-batches; "
+                    f"{self._total} were needed ({self._per_step} per step)"
+                ) from None
+        return (self._start_step + ordinal // self._per_step, ordinal % self._per_step), batch
+
+    def publish(self, key: tuple[int, int], item: Any) -> None:
+        with self.cond:
+            self._note_depth_change()
+            self._ready[key] = item
+            self._depth_max = max(self._depth_max, len(self._ready))
+            self.cond.notify_all()
+
+    # Drafter side.
+    def claim_for_drafter(self, step: int) -> int | None:
+        """The next unclaimed index of `step`; None once all are claimed or work stops."""
+        with self.cond:
+            index = self._next_index.get(step, 0)
+            if self.stopping or index >= self._per_step:
+                return None
+            self._next_index[step] = index + 1
+            return index
+
+    def take(self, key: tuple[int, int]) -> Any | None:
+        """The published item for `key`; None when work stops first (the step is then dropped)."""
+        with self.cond:
+            while key not in self._ready and not self.stopping:
+                self._wait()
+            if key not in self._ready or self.aborted:
+                return None
+            self._note_depth_change()
+            item = self._ready.pop(key)
+            self._live -= 1
+            self.cond.notify_all()
+            return item
+
+    def mark_done(self, step: int) -> None:
+        with self.cond:
+            self._done[step] = self._done.get(step, 0) + 1
+
+    def step_complete(self, step: int) -> bool:
+        with self.cond:
+            return self._done.get(step, 0) == self._per_step
+
+
+class _BusyClocks:
+    """Busy time per thread, read as fractions of a window (spans still open count up to now)."""
+
+    def __init__(self, names: Sequence[str]):
+        self._lock = threading.Lock()
+        self._busy = dict.fromkeys(names, 0.0)
+        self._open: dict[str, float] = {}
+        self.window_start = time.perf_counter()
+
+    def start(self, name: str) -> None:
+        with self._lock:
+            self._open[name] = time.perf_counter()
+
+    def stop(self, name: str) -> None:
+        with self._lock:
+            self._busy[name] += time.perf_counter() - self._open.pop(name)
+
+    def take_window(self) -> tuple[float, dict[str, float]]:
+        with self._lock:
+            now = time.perf_counter()
+            window = now - self.window_start
+            fractions = {}
+            for name in self._busy:
+                busy = self._busy[name]
+                if name in self._open:
+                    busy += now - self._open[name]
+                    self._open[name] = now
+                fractions[name] = min(1.0, busy / window) if window > 0 else 0.0
+                self._busy[name] = 0.0
+            self.window_start = now
+            return window, fractions
+
+
+@contextmanager
+def _on_device(device: torch.device):
+    """Run the calling thread on `device`, on a stream of its own when it is a GPU."""
+    if device.type != "cuda":
+        yield None
+        return
+    torch.cuda.set_device(device)
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        yield stream
+
+
+class Pipeline:
+    """Runs steps [start_step, max_steps) with target and drafter threads; see the module docstring."""
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        make_target: Callable[[torch.device], TargetWorker],
+        make_drafter: Callable[[torch.device], DrafterWorker],
+        micro_batches: Iterable[Any],
+        *,
+        start_step: int,
+        max_steps: int,
+        on_step: Callable[[StepReport], None] | None = None,
+    ):
+        if config.micro_batches_per_step < 1:
+            raise ValueError("micro_batches_per_step must be at least 1")
+        if config.queue_depth < 1:
+            raise ValueError("queue_depth must be at least 1")
+        if not config.target_devices or not config.drafter_devices:
+            raise ValueError("the pipeline needs at least one target and one drafter device")
+        self.config = config
+        self._make_target = make_target
+        self._make_drafter = make_drafter
+        self._start_step = start_step
+        self._max_steps = max(max_steps, start_step)
+        self._on_step = on_step
+        self._per_step = config.micro_batches_per_step
+        self._handoff = _Handoff(
+            micro_batches,
+            (self._max_steps - start_step) * self._per_step,
+            self._per_step,
+            start_step,
+            config.queue_depth,
+        )
+        self.target_names = [f"target{i}" for i in range(len(config.target_devices))]
+        self.drafter_names = [f"drafter{i}" for i in range(len(config.drafter_devices))]
+        self._clocks = _BusyClocks(self.target_names + self.drafter_names)
+        self.drafters: list[DrafterWorker | None] = [None] * len(config.drafter_devices)
+        self._error: tuple[str, BaseException] | None = None
+        self._error_lock = threading.Lock()
+        self._stop_requested = False
+        self._signals = 0
+        self._progress = 0
+        self._steps_done = start_step
+        self._ready_barrier = threading.Barrier(
+            len(config.target_devices) + len(config.drafter_devices), action=self._start_steady_state
+        )
+        self._step_barrier = threading.Barrier(len(config.drafter_devices))
+        # Written by the leader drafter between the two step barriers, read by every drafter after the second.
+        self._step_losses: list[torch.Tensor | None] = [None] * len(config.drafter_devices)
+        self._plan_complete = False
+        self._plan_stop_after = False
+        self._plan_grads: list[list[torch.Tensor]] = []
+        self._report = StepReport(step=start_step, loss=float("nan"), grad_norm=float("nan"))
+
+    # Control, from any thread.
+    def request_stop(self) -> None:
+        """Stop at the next step boundary (finish the current step if all its micro-batches are done)."""
+        self._stop_requested = True
+        self._handoff.stop(abort=False)
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_requested
+
+    def utilisation(self) -> Utilisation:
+        """Busy fractions and queue depth since the previous call (or since steady state began)."""
+        window, busy = self._clocks.take_window()
+        mean, peak = self._handoff.take_depth_window(window)
+        return Utilisation(busy, mean, peak, self.config.queue_depth)
+
+    def _fail(self, thread: str, error: BaseException) -> None:
+        with self._error_lock:
+            if self._error is None:
+                self._error = (thread, error)
+        self._handoff.stop(abort=True)
+        self._ready_barrier.abort()
+        self._step_barrier.abort()
+
+    # The main thread.
+    def run(self, handle_signals: bool = True) -> RunResult:
+        """Run every thread to the end; raises PipelineError when any of them failed.
+
+        With handle_signals (main thread only), SIGTERM and SIGINT request a stop; a second one aborts.
+        """
+        if self._max_steps == self._start_step:
+            return RunResult(self._start_step, stopped=False)
+        threads = [
+            threading.Thread(target=self._thread_main, args=(name, device, self._target_loop, i), name=name)
+            for i, (name, device) in enumerate(zip(self.target_names, self.config.target_devices))
+        ] + [
+            threading.Thread(target=self._thread_main, args=(name, device, self._drafter_loop, i), name=name)
+            for i, (name, device) in enumerate(zip(self.drafter_names, self.config.drafter_devices))
+        ]
+        for thread in threads:
+            thread.daemon = True  # a thread stuck inside a device call must not keep the process alive
+        with ExitStack() as stack:
+            if handle_signals and threading.current_thread() is threading.main_thread():
+                stack.enter_context(self._signals_request_stop())
+            for thread in threads:
+                thread.start()
+            self._supervise(threads)
+        if self._error is not None:
+            thread, error = self._error
+            raise PipelineError(thread, error, [t.name for t in threads if t.is_alive()])
+        return RunResult(self._steps_done, stopped=self._stop_requested and self._steps_done < self._max_steps)
+
+    @contextmanager
+    def _signals_request_stop(self):
+        def count_signal(signum, frame):
+            # Only count here: the supervisor loop acts on it (a handler must not take locks).
+            self._signals += 1
+
+        previous = {sig: signal.signal(sig, count_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _supervise(self, threads: list[threading.Thread]) -> None:
+        last_progress, last_change = self._progress, time.monotonic()
+        aborted_at = None
+        seen_signals = 0
+        while any(t.is_alive() for t in threads):
+            next(t for t in threads if t.is_alive()).join(0.2)
+            if self._signals != seen_signals:
+                seen_signals = self._signals
+                if seen_signals == 1:
+                    print("pipeline: stop requested; stopping at the next step boundary", file=sys.stderr, flush=True)
+                    self.request_stop()
+                else:
+                    self._fail("signal", KeyboardInterrupt("a second stop signal: aborting without a checkpoint"))
+            now = time.monotonic()
+            if self._progress != last_progress:
+                last_progress, last_change = self._progress, now
+            elif self._error is None and now - last_change > self.config.stall_timeout_s:
+                self._fail("watchdog", PipelineStalled(self._stall_message(threads)))
+            if self._error is not None:
+                aborted_at = aborted_at or now
+                if now - aborted_at > self.config.abort_grace_s:
+                    return
+
+    def _stall_message(self, threads: list[threading.Thread]) -> str:
+        frames = sys._current_frames()
+        stacks = [
+            f"--- {t.name}\n" + "".join(traceback.format_stack(frames[t.ident]))
+            for t in threads
+            if t.is_alive() and t.ident in frames
+        ]
+        return f"no progress for {self.config.stall_timeout_s:.0f} s; thread stacks:\n" + "\n".join(stacks)
+
+    # The worker threads.
+    def _thread_main(self, name: str, device: torch.device, loop: Callable, index: int) -> None:
+        try:
+            with _on_device(device) as stream:
+                loop(name, device, stream, index)
+        except threading.BrokenBarrierError:
+            if self._error is None:
+                self._fail(name, RuntimeError("a pipeline barrier broke without an error"))
+        except BaseException as error:  # noqa: BLE001 - every failure must reach the main thread
+            self._fail(name, error)
+
+    def _start_steady_state(self) -> None:
+        self._clocks.take_window()
+        self._handoff.take_depth_window(0.0)
+
+    @contextmanager
+    def _busy(self, name: str, stream: torch.cuda.Stream | None):
+        self._clocks.start(name)
+        try:
+            yield
+            if stream is not None:
+                stream.synchronize()  # busy means device work: the span ends when the device is done
+        finally:
+            self._clocks.stop(name)
+            self._progress += 1
+
+    def _warm_up_and_meet(self, worker: Any) -> None:
+        warm_up = getattr(worker, "warm_up", None)
+        if warm_up is not None:
+            warm_up()
+        self._progress += 1
+        self._ready_barrier.wait()
+
+    def _target_loop(self, name: str, device: torch.device, stream, index: int) -> None:
+        worker = self._make_target(device)
+        self._warm_up_and_meet(worker)
+        while (claim := self._handoff.claim_for_target()) is not None:
+            key, batch = claim
+            with self._busy(name, stream), torch.no_grad():
+                features = worker.features(batch)
+            self._handoff.publish(key, (features, batch))
+
+    def _drafter_loop(self, name: str, device: torch.device, stream, index: int) -> None:
+        worker = self._make_drafter(device)
+        self.drafters[index] = worker
+        self._warm_up_and_meet(worker)
+        params = list(worker.trainable_parameters())
+        leader = index == 0
+        for step in range(self._start_step, self._max_steps):
+            loss_sum = torch.zeros((), device=device)
+            while (micro := self._handoff.claim_for_drafter(step)) is not None:
+                item = self._handoff.take((step, micro))
+                if item is None:
+                    break
+                with self._busy(name, stream):
+                    features, batch = move_to_device(item, device)
+                    loss = worker.loss(features, batch)
+                    (loss / self._per_step).backward()
+                    loss_sum += loss.detach()
+                # Only now, with this stream synchronized, may the target's tensors be freed.
+                del item, features, batch, loss
+                self._handoff.mark_done(step)
+            self._step_losses[index] = loss_sum
+            self._step_barrier.wait()
+            if leader:
+                with self._busy(name, stream):
+                    self._plan_step(step)
+            self._step_barrier.wait()
+            if not self._plan_complete:
+                return
+            with self._busy(name, stream):
+                for param, grad in zip(params, self._plan_grads[index]):
+                    param.grad = grad
+                worker.optimizer_step()
+                for param in params:
+                    param.grad = None
+            if leader:
+                self._steps_done = step + 1
+                self._progress += 1
+                if self._on_step is not None:
+                    self._on_step(self._report)
+            if self._plan_stop_after:
+                return
+
+    def _plan_step(self, step: int) -> None:
+        """Leader only, between the step barriers: decide whether the step counts, and if so reduce it."""
+        self._plan_complete = self._handoff.step_complete(step)
+        self._plan_stop_after = self._stop_requested
+        self._plan_grads = []
+        if not self._plan_complete:
+            return
+        replicas = [w.trainable_parameters() for w in self.drafters]
+        grads = [[p.grad if p.grad is not None else torch.zeros_like(p) for p in params] for params in replicas]
+        devices = list(self.config.drafter_devices)
+        self._plan_grads, norm = sum_and_clip_gradients(grads, devices, self.config.grad_clip)
+        if devices[0].type == "cuda":
+            # The sum and copies ran on this thread's streams of every drafter device: finish them before the
+            # other drafters read their gradients on their own streams.
+            for device in set(devices):
+                torch.cuda.current_stream(device).synchronize()
+        loss = sum(float(x) for x in self._step_losses) / self._per_step
+        self._report = StepReport(step=step + 1, loss=loss, grad_norm=float(norm))
