@@ -1,0 +1,211 @@
+"""The gpuctl command line: parse, call gpuctl.commands, render. Nothing else lives here.
+
+main() turns every outcome into one exit code (gpuctl.errors.ExitCode) and every error into one line on
+stderr, never a traceback (GPUCTL_DEBUG=1 shows it).
+"""
+
+import functools
+import inspect
+import os
+import sys
+from collections.abc import Callable
+from typing import Annotated
+
+import click
+import typer
+
+from gpuctl import commands, render, ssh
+from gpuctl.errors import ExitCode, GpuctlError, usage_error
+from gpuctl.runs import State, parse_run_ref, parse_signal
+from gpuctl.target import TargetFlags, remember, resolve
+
+app = typer.Typer(
+    name="gpuctl",
+    help="Launch, follow and control training runs inside Proxmox LXC containers over SSH.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+TARGET_HELP = "Target options"
+# The target options every command accepts (DESIGN §2); with_target adds them to each command.
+TARGET_PARAMS = [
+    ("host", Annotated[str | None, typer.Option(help="Proxmox host: address, name or ~/.ssh/config alias "
+                                                        "[env GPUCTL_HOST]", rich_help_panel=TARGET_HELP)]),
+    ("port", Annotated[int | None, typer.Option(help="SSH port [env GPUCTL_PORT; default 22]",
+                                                   rich_help_panel=TARGET_HELP)]),
+    ("user", Annotated[str | None, typer.Option(help="SSH user [env GPUCTL_USER; default root]",
+                                                   rich_help_panel=TARGET_HELP)]),
+    ("identity", Annotated[str | None, typer.Option(help="private key file [env GPUCTL_IDENTITY]",
+                                                       rich_help_panel=TARGET_HELP)]),
+    ("ct", Annotated[int | None, typer.Option(help="container id [env GPUCTL_CT]",
+                                                 rich_help_panel=TARGET_HELP)]),
+    ("ssh_config", Annotated[str | None, typer.Option(help="ssh_config file [env GPUCTL_SSH_CONFIG; default "
+                                                              "~/.ssh/config]", rich_help_panel=TARGET_HELP)]),
+    ("accept_new_host_key", Annotated[bool, typer.Option(help="record an unknown host's key in known_hosts",
+                                                         rich_help_panel=TARGET_HELP)]),
+    ("connect_timeout", Annotated[float | None, typer.Option(help="seconds to wait for the host [default 10]",
+                                                                rich_help_panel=TARGET_HELP)]),
+]
+TargetArg = Annotated[str | None, typer.Argument(help="[USER@]HOST[:PORT][/CTID], instead of the options",
+                                                    show_default=False)]
+RunOpt = Annotated[str | None, typer.Option("--run", help="run number (7 or tl7); default: the latest")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON document on stdout, nothing else there")]
+
+
+def with_target(func: Callable) -> Callable:
+    """Add TARGET and the target options to a command; it receives them as one `flags: TargetFlags`."""
+    kw = inspect.Parameter.KEYWORD_ONLY
+    own = [p.replace(kind=kw) for p in inspect.signature(func).parameters.values() if p.name != "flags"]
+    added = [inspect.Parameter("target", kw, default=None, annotation=TargetArg)]
+    added += [inspect.Parameter(name, kw, default=False if name == "accept_new_host_key" else None,
+                                annotation=annotation) for name, annotation in TARGET_PARAMS]
+
+    @functools.wraps(func)
+    def command(**kwargs):
+        flags = TargetFlags(**{p.name: kwargs.pop(p.name) for p in added})
+        return func(flags=flags, **kwargs)
+
+    command.__signature__ = inspect.Signature(added[:1] + own + added[1:])
+    command.__annotations__ = {p.name: p.annotation for p in added[:1] + own + added[1:]}
+    return command
+
+
+@app.command()
+@with_target
+def launch(
+    flags: TargetFlags,
+    config: Annotated[str, typer.Option(help="trainer preset name, or a config file (a local file is "
+                                             "staged)")] = "tiny",
+    set_: Annotated[list[str] | None, typer.Option("--set", help="override a config value: KEY=VALUE "
+                                                                    "(repeatable)")] = None,
+    python: Annotated[str, typer.Option(help="Python interpreter in the container")] = "python3",
+    workdir: Annotated[str, typer.Option(help="the run's working directory in the container")] = "/workspace",
+    log_dir: Annotated[str, typer.Option(help="where train_tlN.log goes in the container")] = "/workspace",
+    keep_compile_cache: Annotated[bool, typer.Option(help="keep /tmp/torchinductor_root")] = False,
+    replace: Annotated[bool, typer.Option(help="kill the active run first instead of refusing")] = False,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="stream the log until the run ends; exit "
+                                                                "with its outcome")] = False,
+    dry_run: Annotated[bool, typer.Option(help="print what would run, run nothing")] = False,
+    json_: JsonOpt = False,
+) -> int:
+    """Start a training run in the container, detached; print its id, pid and log."""
+    if json_ and follow:
+        raise usage_error("--json and --follow cannot be combined (the log goes to stdout)")
+    target = resolve(flags)
+    opts = commands.LaunchOptions(config=config, sets=set_ or [], python=python, workdir=workdir,
+                                  log_dir=log_dir, keep_compile_cache=keep_compile_cache, replace=replace)
+    if dry_run:
+        sys.stdout.write(commands.plan_launch(target, opts))
+        return ExitCode.OK
+    with commands.connected(target) as ct:
+        result = commands.launch(ct, target, opts, notify=render.message)
+        remember(target)
+        render.launch_result(result, as_json=json_, to_stderr=follow)
+        if not result.run.state.active:
+            return ExitCode.OK if result.run.state == State.SUCCEEDED else ExitCode.RUN_FAILED
+        if follow:
+            return _follow(ct, result.run.number, lines=None, offset=0)
+    return ExitCode.OK
+
+
+def _follow(ct: commands.Container, run_number: int, lines: int | None, offset: int | None) -> int:
+    try:
+        run = commands.follow_log(ct, run_number, lines, render.write_bytes, offset=offset)
+    except KeyboardInterrupt:
+        raise GpuctlError("detached; the run goes on (gpuctl logs -f follows it again)",
+                          ExitCode.INTERRUPTED) from None
+    render.run_ended(run)
+    return commands.follow_exit_code(run)
+
+
+@app.command()
+@with_target
+def logs(
+    flags: TargetFlags,
+    run: RunOpt = None,
+    tail: Annotated[int | None, typer.Option("--tail", "-n", help="only the last LINES lines",
+                                                metavar="LINES", min=0)] = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="stream until the run ends; exit with its "
+                                                                "outcome (0 succeeded, 1 otherwise)")] = False,
+) -> int:
+    """Print a run's log (the latest run's by default); only the log's own lines go to stdout."""
+    number = parse_run_ref(run)
+    with commands.connected(resolve(flags)) as ct:
+        if follow:
+            return _follow(ct, number, lines=tail, offset=None)
+        commands.print_log(ct, number, tail, render.write_bytes)
+    return ExitCode.OK
+
+
+@app.command()
+@with_target
+def status(flags: TargetFlags, run: RunOpt = None, json_: JsonOpt = False) -> int:
+    """The container, the run (state, pid, log, progress) and the GPUs."""
+    number = parse_run_ref(run)
+    with commands.connected(resolve(flags)) as ct:
+        render.status_report(commands.status(ct, number), as_json=json_)
+    return ExitCode.OK
+
+
+@app.command()
+@with_target
+def runs(flags: TargetFlags, json_: JsonOpt = False) -> int:
+    """Every run in the container: id, state, exit code, start, duration, log size."""
+    target = resolve(flags)
+    with commands.connected(target) as ct:
+        render.runs_table(commands.list_runs(ct), target.ct, target.host, as_json=json_)
+    return ExitCode.OK
+
+
+@app.command()
+@with_target
+def kill(
+    flags: TargetFlags,
+    run: RunOpt = None,
+    signal: Annotated[str, typer.Option(help="first signal: TERM, INT, HUP, QUIT, USR1, USR2 or KILL")] = "TERM",
+    grace: Annotated[float, typer.Option(help="seconds to wait before SIGKILL", min=0)] = 30.0,
+) -> int:
+    """Signal a run's whole process group, escalate to SIGKILL after --grace, check nothing is left."""
+    number, signal_name = parse_run_ref(run), parse_signal(signal)
+    with commands.connected(resolve(flags)) as ct:
+        render.kill_result(commands.kill(ct, number, signal_name, grace, notify=render.message))
+    return ExitCode.OK
+
+
+def run(argv: list[str] | None = None) -> int:
+    """Run gpuctl with these arguments; return its exit code (tests call this in-process)."""
+    command = typer.main.get_command(app)
+    try:
+        return int(command.main(args=argv, prog_name="gpuctl", standalone_mode=False) or 0)
+    except GpuctlError as e:
+        render.error(str(e))
+        return int(e.code)
+    except click.exceptions.NoArgsIsHelpError as e:
+        click.echo(e.ctx.get_help())
+        return int(ExitCode.USAGE)
+    except click.UsageError as e:
+        where = f"gpuctl {e.ctx.info_name} --help" if e.ctx and e.ctx.parent else "gpuctl --help"
+        render.error(f"{e.format_message()} (see {where})")
+        return int(ExitCode.USAGE)
+    except (KeyboardInterrupt, click.Abort):
+        render.error("interrupted")
+        return int(ExitCode.INTERRUPTED)
+    except BrokenPipeError:
+        # The reader went away (gpuctl logs | head): not an error of ours.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return int(ExitCode.OK)
+    except Exception as e:  # a bug: still one line, with the way to see more
+        if os.environ.get("GPUCTL_DEBUG"):
+            raise
+        render.error(f"internal error: {type(e).__name__}: {e} (GPUCTL_DEBUG=1 shows the traceback)")
+        return int(ExitCode.RUN_FAILED)
+    finally:
+        if ssh.tracing():
+            print(ssh.trace_line(), file=sys.stderr)
+
+
+def main() -> None:
+    sys.exit(run(sys.argv[1:]))

@@ -1,0 +1,182 @@
+"""All of gpuctl's output, in one place: Rich text for people, JSON for scripts.
+
+With --json, stdout carries exactly one JSON document and human messages go to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import datetime
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from gpuctl.commands import KillResult, LaunchResult, StatusReport
+from gpuctl.runs import Run, State
+
+STATE_STYLE = {State.STARTING: "yellow", State.RUNNING: "green", State.SUCCEEDED: "bold green",
+               State.FAILED: "bold red", State.KILLED: "magenta", State.LOST: "red"}
+
+
+def _console(stderr: bool) -> Console:
+    stream = sys.stderr if stderr else sys.stdout
+    # Not a terminal: wide enough that long paths are not wrapped into a pipe.
+    return Console(file=stream, stderr=stderr, width=None if stream.isatty() else 160, highlight=False)
+
+
+def message(text: str) -> None:
+    """A human message: always on stderr."""
+    _console(stderr=True).print(Text(f"gpuctl: {text}"))
+
+
+def error(text: str) -> None:
+    _console(stderr=True).print(Text(f"gpuctl: error: {text}", style="bold red"), soft_wrap=True)
+
+
+def json_doc(doc: Any) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+    sys.stdout.flush()
+
+
+def write_bytes(data: bytes) -> None:
+    """The log's own bytes, untouched, on stdout."""
+    sys.stdout.buffer.write(data)
+    sys.stdout.buffer.flush()
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    days, rem = divmod(seconds, 86400)
+    hours, rem = divmod(rem, 3600)
+    minutes, secs = divmod(rem, 60)
+    parts = [f"{days}d"] * bool(days) + [f"{hours}h"] * bool(hours) + [f"{minutes}m"] * bool(minutes)
+    return " ".join(parts[:2]) if parts else f"{secs}s"
+
+
+def size(n: int | None) -> str:
+    if n is None or n < 0:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def local_time(epoch: float | None) -> str:
+    return datetime.fromtimestamp(epoch).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z") if epoch else "-"
+
+
+def state_text(run: Run) -> Text:
+    label = run.state.value
+    if run.state in (State.FAILED, State.KILLED) and run.exit_code is not None:
+        label += f" (exit {run.exit_code})"
+    return Text(label, style=STATE_STYLE[run.state])
+
+
+def progress_text(run: Run) -> str:
+    p = run.progress
+    if p is None:
+        return "-"
+    parts = [f"step {p.step}/{p.total_steps}" if p.total_steps else f"step {p.step}"]
+    if p.total_steps:
+        parts[0] += f" ({100 * p.step / p.total_steps:.0f}%)"
+    if p.loss is not None:
+        parts.append(f"loss {p.loss:.4f}")
+    if p.tokens_per_s is not None:
+        parts.append(f"{p.tokens_per_s:,.0f} tok/s")
+    if p.eta_s is not None:
+        parts.append(f"ETA {duration(p.eta_s)}")
+    return ", ".join(parts)
+
+
+def _run_grid(run: Run) -> Table:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    grid.add_row("run", Text.assemble((run.run_id, "bold"), "  ", state_text(run)))
+    pid = run.record.get("pid")
+    grid.add_row("pid", f"{pid} (process group {run.record.get('pgid')})" if pid else "-")
+    started = local_time(run.started_at)
+    grid.add_row("started", f"{started}, {duration(run.elapsed_s)} {'ago' if run.state.active else 'long'}")
+    grid.add_row("log", f"{run.log_path} ({size(run.log_size)})")
+    grid.add_row("progress", progress_text(run))
+    grid.add_row("config", str(run.record.get("config", "-")))
+    return grid
+
+
+def status_report(report: StatusReport, as_json: bool) -> None:
+    if as_json:
+        json_doc(report.to_json())
+        return
+    out = _console(stderr=False)
+    out.print(Text.assemble(("CT ", "bold"), (str(report.ctid), "bold"), f" on {report.host}: ",
+                            ("running", "green")))
+    if report.run is None:
+        out.print("no runs yet (gpuctl launch starts one)")
+    else:
+        out.print(_run_grid(report.run))
+    if report.gpus:
+        table = Table(box=None, pad_edge=False)
+        for name, justify in (("GPU", "right"), ("name", "left"), ("util", "right"), ("memory", "right")):
+            table.add_column(name, justify=justify, header_style="bold")
+        for gpu in report.gpus:
+            util = f"{gpu.utilization}%" if gpu.utilization is not None else "-"
+            memory = f"{gpu.memory_used_mib} / {gpu.memory_total_mib} MiB"
+            table.add_row(str(gpu.index), gpu.name, util, memory)
+        out.print(table)
+    else:
+        out.print("no GPUs visible in the container (nvidia-smi found none)")
+
+
+def runs_table(runs: list[Run], ctid: int, host: str, as_json: bool) -> None:
+    if as_json:
+        json_doc([dict(r.to_json(), container={"ctid": ctid, "status": "running", "host": host}) for r in runs])
+        return
+    out = _console(stderr=False)
+    if not runs:
+        out.print(f"no runs in CT {ctid} yet")
+        return
+    table = Table(box=None, pad_edge=False)
+    for name in ("run", "state", "exit", "started", "duration", "log", "size"):
+        table.add_column(name, header_style="bold", no_wrap=name != "log")
+    for run in runs:
+        exit_code = "-" if run.exit_code is None else str(run.exit_code)
+        table.add_row(run.run_id, state_text(run), exit_code, local_time(run.started_at), duration(run.elapsed_s),
+                      run.log_path or "-", size(run.log_size))
+    out.print(table)
+
+
+def launch_result(result: LaunchResult, as_json: bool, to_stderr: bool) -> None:
+    run = result.run
+    if as_json:
+        json_doc(run.to_json())
+    else:
+        out = _console(stderr=to_stderr)
+        out.print(Text.assemble("started ", (run.run_id, "bold"), f" (pid {run.record.get('pid')}, "
+                                f"process group {run.record.get('pgid')}): ", state_text(run)))
+        out.print(Text(f"log: {run.log_path}"))
+    if result.tail:
+        message(f"{run.run_id} ended during its start ({run.state.value}, exit {run.exit_code}); the log's end:")
+        sys.stderr.write(result.tail.decode(errors="replace").rstrip("\n") + "\n")
+
+
+def kill_result(result: KillResult) -> None:
+    if result.run is None:
+        message("no runs in this container; nothing to kill")
+    elif not result.signalled:
+        message(f"{result.run.run_id} is not running ({result.run.state.value}); nothing to kill")
+    else:
+        how = " (SIGKILL after the grace period)" if result.escalated else ""
+        _console(stderr=False).print(Text(
+            f"killed {result.run.run_id}{how} in {result.seconds:.1f} s; none of its processes is left "
+            f"(state {result.run.state.value}, exit {result.run.exit_code})"))
+
+
+def run_ended(run: Run) -> None:
+    message(f"{run.run_id} ended: {run.state.value}, exit {run.exit_code}")

@@ -1,0 +1,5 @@
+"""The stand-in Proxmox host (DESIGN §4): real sshd, stand-in pct and nvidia-smi, a fake trainer."""
+
+from tests.sandbox.host import ALIAS, DEFAULT_GPUS, StandInHost
+
+__all__ = ["ALIAS", "DEFAULT_GPUS", "StandInHost"]

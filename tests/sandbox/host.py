@@ -1,0 +1,208 @@
+"""The stand-in Proxmox host: a real OpenSSH sshd on 127.0.0.1 with a stand-in `pct` on its PATH.
+
+All of its state lives in one directory (keys, sshd_config, authorized_keys, known_hosts, an ssh_config for
+clients, the containers); nothing of the user's ~/.ssh is read or written. Used by the tests (as a library) and
+by the demo (`python -m tests.sandbox up|env|down`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
+
+HERE = Path(__file__).resolve().parent
+SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+ALIAS = "gpuctl-standin"
+DEFAULT_GPUS = [
+    {"name": "NVIDIA H200", "utilization": 97, "memory_used_mib": 81234, "memory_total_mib": 143771},
+    {"name": "NVIDIA H200", "utilization": 95, "memory_used_mib": 80012, "memory_total_mib": 143771},
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def install_script(source: Path, target: Path) -> None:
+    """Copy a Python script, pointing its shebang at this interpreter (the one that has torch)."""
+    target.write_text(f"#!{sys.executable}\n" + source.read_text())
+    target.chmod(0o755)
+
+
+class StandInHost:
+    def __init__(self, root: Path | str):
+        self.root = Path(root).resolve()
+        self.port: int | None = None
+        self._sshd: subprocess.Popen | None = None
+
+    # Paths of the state dir.
+    @property
+    def host_key(self) -> Path:
+        return self.root / "ssh_host_ed25519_key"
+
+    @property
+    def client_key(self) -> Path:
+        return self.root / "client_key"
+
+    @property
+    def known_hosts(self) -> Path:
+        return self.root / "known_hosts"
+
+    @property
+    def ssh_config(self) -> Path:
+        return self.root / "ssh_config"
+
+    @property
+    def pidfile(self) -> Path:
+        return self.root / "sshd.pid"
+
+    def start(self, daemon: bool = False) -> StandInHost:
+        """Generate keys and config, start sshd; daemon=True leaves it running after this process exits."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        (self.root / "bin").mkdir(exist_ok=True)
+        (self.root / "containers").mkdir(exist_ok=True)
+        (self.root / "home").mkdir(exist_ok=True)
+        install_script(HERE / "pct.py", self.root / "bin" / "pct")
+        for key in (self.host_key, self.client_key):
+            if not key.exists():
+                subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "gpuctl-standin", "-f",
+                                str(key)], check=True)
+        shutil.copy(self.client_key.with_suffix(".pub"), self.root / "authorized_keys")
+        self.port = free_port()
+        (self.root / "sshd_config").write_text(self._sshd_config())
+        self.known_hosts.write_text(self.known_hosts_line())
+        self.write_ssh_config(self.ssh_config)
+        (self.root / "port").write_text(str(self.port))
+        os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation directory
+        cmd = [SSHD, "-f", str(self.root / "sshd_config"), "-E", str(self.root / "sshd.log")]
+        if daemon:
+            subprocess.run(cmd, check=True, stdin=subprocess.DEVNULL)
+        else:
+            self._sshd = subprocess.Popen([*cmd, "-D"], stdin=subprocess.DEVNULL)
+        self._wait_listening()
+        return self
+
+    @retry(stop=stop_after_delay(10), wait=wait_exponential(multiplier=0.01, max=0.2),
+           retry=retry_if_exception_type(OSError), reraise=True)
+    def _wait_listening(self) -> None:
+        if self._sshd is not None and self._sshd.poll() is not None:
+            raise RuntimeError(f"sshd exited: {(self.root / 'sshd.log').read_text()[-2000:]}")
+        with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+            s.recv(4)  # the server's banner: sshd is really serving
+
+    def _sshd_config(self) -> str:
+        return "\n".join([
+            f"Port {self.port}",
+            "ListenAddress 127.0.0.1",
+            f"HostKey {self.host_key}",
+            f"PidFile {self.pidfile}",
+            f"AuthorizedKeysFile {self.root / 'authorized_keys'}",
+            "StrictModes no",
+            "PermitRootLogin prohibit-password",
+            "PubkeyAuthentication yes",
+            "PasswordAuthentication no",
+            "KbdInteractiveAuthentication no",
+            "UsePAM no",
+            "MaxStartups 100:30:200",
+            "MaxSessions 100",
+            "LogLevel ERROR",
+            # HOME in the state dir: the shell sshd starts reads no dotfiles of the machine's real root.
+            f"SetEnv PATH={self.root / 'bin'}:/usr/sbin:/usr/bin:/sbin:/bin HOME={self.root / 'home'}",
+            "",
+        ])
+
+    def known_hosts_line(self) -> str:
+        key_type, key_b64 = self.host_key.with_suffix(".pub").read_text().split()[:2]
+        return f"[127.0.0.1]:{self.port} {key_type} {key_b64}\n"
+
+    def write_ssh_config(self, path: Path, known_hosts: Path | None = None, alias: str = ALIAS) -> Path:
+        """An ssh_config with a Host alias for this server; known_hosts defaults to the pre-filled one."""
+        lines = [f"Host {alias}", "    HostName 127.0.0.1", f"    Port {self.port}", "    User root",
+                 f"    IdentityFile {self.client_key}",
+                 f"    UserKnownHostsFile {known_hosts or self.known_hosts}", ""]
+        path.write_text("\n".join(lines))
+        return path
+
+    def env(self, ctid: int | None = None) -> dict[str, str]:
+        """The environment that points gpuctl at this host (and container)."""
+        env = {"GPUCTL_SSH_CONFIG": str(self.ssh_config), "GPUCTL_HOST": ALIAS}
+        if ctid is not None:
+            env["GPUCTL_CT"] = str(ctid)
+        return env
+
+    def stop(self) -> None:
+        for ctid in self.containers():
+            self.kill_container_processes(ctid)
+        if self._sshd is not None:
+            self._sshd.terminate()
+            self._sshd.wait(timeout=10)
+            self._sshd = None
+        elif self.pidfile.exists():
+            try:
+                os.kill(int(self.pidfile.read_text()), signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    # Containers.
+    def ct_dir(self, ctid: int) -> Path:
+        return self.root / "containers" / str(ctid)
+
+    def containers(self) -> list[int]:
+        root = self.root / "containers"
+        return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.is_dir() else []
+
+    def add_container(self, ctid: int, running: bool = True, gpus: list[dict] | None = None) -> Path:
+        base = self.ct_dir(ctid)
+        for sub in ("rootfs/root/gpuctl", "rootfs/workspace", "rootfs/tmp", "bin"):
+            (base / sub).mkdir(parents=True, exist_ok=True)
+        # A wrapper, not a symlink: a virtualenv's interpreter must be started by its own path.
+        python = base / "bin" / "python3"
+        python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+        python.chmod(0o755)
+        install_script(HERE / "nvidia_smi.py", base / "bin" / "nvidia-smi")
+        install_script(HERE / "fake_trainer.py", base / "bin" / "fake-trainer")
+        self.set_gpus(ctid, DEFAULT_GPUS if gpus is None else gpus)
+        conf = {"status": "running" if running else "stopped", "hostname": f"ct{ctid}"}
+        (base / "conf.json").write_text(json.dumps(conf))
+        return base
+
+    def set_gpus(self, ctid: int, gpus: list[dict]) -> None:
+        (self.ct_dir(ctid) / "bin" / "gpus.json").write_text(json.dumps(gpus))
+
+    def path_in(self, ctid: int, path: str) -> Path:
+        """The host path of a path inside the container."""
+        return self.ct_dir(ctid) / "rootfs" / path.lstrip("/")
+
+    def pct(self, *args: str) -> subprocess.CompletedProcess:
+        """Run the stand-in pct directly (not over ssh), e.g. to stop a container."""
+        return subprocess.run([str(self.root / "bin" / "pct"), *args], check=False, capture_output=True, text=True)
+
+    def container_processes(self, ctid: int) -> list[int]:
+        needle = f"GPUCTL_STANDIN_CT={self.root}:{ctid}".encode() + b"\0"
+        found = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/environ", "rb") as f:
+                        if needle in f.read():
+                            found.append(int(entry))
+                except OSError:
+                    pass
+        return found
+
+    def kill_container_processes(self, ctid: int) -> None:
+        for pid in self.container_processes(ctid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
