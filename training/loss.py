@@ -45,7 +45,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, head, labels, weights, chunk_size: int):
-        total_weight = weights.sum().clamp_min(1e-12)
+        total_weight = weights.sum().float().clamp_min(1e-12)
         loss = torch.zeros((), device=hidden.device, dtype=torch.float32)
         correct = torch.zeros(labels.shape, device=hidden.device, dtype=torch.bool)
         needs_grad = ctx.needs_input_grad[0]

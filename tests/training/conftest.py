@@ -1,0 +1,47 @@
+"""Shared fixtures for the trainer tests: few CPU threads, a `gpu` marker, one tiny world per session."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs CUDA (skipped without it)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@dataclass
+class TinyWorld:
+    target: Path
+    train: Path
+    eval: Path
+
+    def overrides(self, output_dir: Path) -> list[str]:
+        """--set arguments pointing the tiny preset at this world and a private output dir."""
+        return [f"target_path={self.target}", f"data_path={self.train}", f"eval_data_path={self.eval}",
+                f"output_dir={output_dir}"]
+
+
+@pytest.fixture(scope="session")
+def tiny_world(tmp_path_factory) -> TinyWorld:
+    """The tiny random target and its generated data, built once (the tiny preset's own builder)."""
+    from training.tiny import ensure_tiny
+
+    root = tmp_path_factory.mktemp("tiny-world")
+    world = TinyWorld(root / "target", root / "train.jsonl", root / "eval.jsonl")
+    ensure_tiny(str(world.target), str(world.train), str(world.eval))
+    return world
