@@ -189,6 +189,18 @@ def sum_and_clip_gradients(
     return [total] + [[t.to(device, copy=True) for t in total] for device in devices[1:]], norm
 
 
+def check_replicas_identical(drafters: Sequence[DrafterWorker]) -> None:
+    """Replicas must start equal: the shared update keeps equal replicas equal, and different ones different."""
+    first = drafters[0].trainable_parameters()
+    for replica, worker in enumerate(drafters[1:], 1):
+        params = worker.trainable_parameters()
+        if len(params) != len(first):
+            raise ValueError(f"drafter replica {replica} has {len(params)} trainable tensors, replica 0 {len(first)}")
+        for i, (a, b) in enumerate(zip(first, params)):
+            if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a.detach().to(b.device), b.detach()):
+                raise ValueError(f"drafter replica {replica} differs from replica 0 in trainable tensor {i}")
+
+
 class _Handoff:
     """Micro-batches from the source through target threads to drafter threads, bounded and in order."""
 
@@ -343,13 +355,18 @@ def _on_device(device: torch.device):
 
 
 class Pipeline:
-    """Runs steps [start_step, max_steps) with target and drafter threads; see the module docstring."""
+    """Runs steps [start_step, max_steps) with one thread per target and drafter worker (see the module doc).
+
+    Workers are built by the caller, one per device entry (in the main thread, one at a time: transformers
+    patches torch.nn.init globally while it loads, so building in parallel threads is not safe); drafter
+    replicas must start identical. Each thread calls its worker's optional `warm_up()` on its own device.
+    """
 
     def __init__(
         self,
         config: PipelineConfig,
-        make_target: Callable[[torch.device], TargetWorker],
-        make_drafter: Callable[[torch.device], DrafterWorker],
+        targets: Sequence[TargetWorker],
+        drafters: Sequence[DrafterWorker],
         micro_batches: Iterable[Any],
         *,
         start_step: int,
@@ -362,9 +379,11 @@ class Pipeline:
             raise ValueError("queue_depth must be at least 1")
         if not config.target_devices or not config.drafter_devices:
             raise ValueError("the pipeline needs at least one target and one drafter device")
+        if len(targets) != len(config.target_devices) or len(drafters) != len(config.drafter_devices):
+            raise ValueError("one target worker per target device and one drafter worker per drafter device")
         self.config = config
-        self._make_target = make_target
-        self._make_drafter = make_drafter
+        self.targets = list(targets)
+        self.drafters = list(drafters)
         self._start_step = start_step
         self._max_steps = max(max_steps, start_step)
         self._on_step = on_step
@@ -379,7 +398,6 @@ class Pipeline:
         self.target_names = [f"target{i}" for i in range(len(config.target_devices))]
         self.drafter_names = [f"drafter{i}" for i in range(len(config.drafter_devices))]
         self._clocks = _BusyClocks(self.target_names + self.drafter_names)
-        self.drafters: list[DrafterWorker | None] = [None] * len(config.drafter_devices)
         self._error: tuple[str, BaseException] | None = None
         self._error_lock = threading.Lock()
         self._stop_requested = False
@@ -429,6 +447,7 @@ class Pipeline:
         """
         if self._max_steps == self._start_step:
             return RunResult(self._start_step, stopped=False)
+        check_replicas_identical(self.drafters)
         threads = [
             threading.Thread(target=self._thread_main, args=(name, device, self._target_loop, i), name=name)
             for i, (name, device) in enumerate(zip(self.target_names, self.config.target_devices))
@@ -528,7 +547,7 @@ class Pipeline:
         self._ready_barrier.wait()
 
     def _target_loop(self, name: str, device: torch.device, stream, index: int) -> None:
-        worker = self._make_target(device)
+        worker = self.targets[index]
         self._warm_up_and_meet(worker)
         while (claim := self._handoff.claim_for_target()) is not None:
             key, batch = claim
@@ -537,8 +556,7 @@ class Pipeline:
             self._handoff.publish(key, (features, batch))
 
     def _drafter_loop(self, name: str, device: torch.device, stream, index: int) -> None:
-        worker = self._make_drafter(device)
-        self.drafters[index] = worker
+        worker = self.drafters[index]
         self._warm_up_and_meet(worker)
         params = list(worker.trainable_parameters())
         leader = index == 0

@@ -93,18 +93,6 @@ class ToyDrafter:
             self.log.add("step", self.replica, self.steps)
 
 
-def replica_factory(devices, **options):
-    """make_drafter for Pipeline: numbers replicas in creation order per device list position."""
-    lock, counter = threading.Lock(), iter(range(len(devices)))
-
-    def make(device: torch.device) -> ToyDrafter:
-        with lock:
-            replica = next(counter)
-        return ToyDrafter(device, replica=replica, **options)
-
-    return make
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--targets", type=int, default=2)
@@ -116,19 +104,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     per_step = 4
-    config = PipelineConfig(
-        target_devices=[torch.device("cpu")] * args.targets,
-        drafter_devices=[torch.device("cpu")] * args.drafters,
-        micro_batches_per_step=per_step,
-    )
+    cpu = torch.device("cpu")
+    config = PipelineConfig([cpu] * args.targets, [cpu] * args.drafters, micro_batches_per_step=per_step)
+    targets = [ToyTarget(cpu) for _ in range(args.targets)]
+    drafters = [ToyDrafter(cpu, args.drafter_delay, args.fail_at, replica=i) for i in range(args.drafters)]
 
     def on_step(report):
         print(f"step {report.step} loss {report.loss:.4f}", flush=True)
 
     pipeline = Pipeline(
         config,
-        lambda device: ToyTarget(device),
-        replica_factory(config.drafter_devices, delay_s=args.drafter_delay, fail_at=args.fail_at),
+        targets,
+        drafters,
         make_batches(args.steps * per_step),
         start_step=0,
         max_steps=args.steps,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from pipeline_toys import EventLog, ToyDrafter, ToyFailure, ToyTarget, make_batches, replica_factory
+from pipeline_toys import EventLog, ToyDrafter, ToyFailure, ToyTarget, make_batches
 
 from training.pipeline import (
     Pipeline,
@@ -37,16 +37,15 @@ def one_torch_thread():
     torch.set_num_threads(previous)
 
 
-def build(targets, drafters, per_step, steps, *, queue_depth=4, grad_clip=1.0, target_options=None,
-          drafter_options=None, on_step=None, batches=None, **config):
-    config = PipelineConfig(
-        target_devices=targets, drafter_devices=drafters, micro_batches_per_step=per_step,
-        queue_depth=queue_depth, grad_clip=grad_clip, **config,
-    )
+def build(targets, drafters, per_step, steps, *, target_options=None, drafter_options=None, on_step=None,
+          batches=None, **config):
+    """A pipeline of toy stages: `targets` and `drafters` are device lists."""
+    config = PipelineConfig(target_devices=targets, drafter_devices=drafters, micro_batches_per_step=per_step,
+                            **config)
     return Pipeline(
         config,
-        lambda device: ToyTarget(device, **(target_options or {})),
-        replica_factory(drafters, **(drafter_options or {})),
+        [ToyTarget(device, **(target_options or {})) for device in targets],
+        [ToyDrafter(device, replica=i, **(drafter_options or {})) for i, device in enumerate(drafters)],
         batches if batches is not None else make_batches(steps * per_step),
         start_step=0,
         max_steps=steps,
@@ -177,13 +176,32 @@ def test_a_failing_thread_stops_the_whole_pipeline(where, options):
     assert not [t for t in threading.enumerate() if t.name.startswith(("target", "drafter"))]
 
 
-def test_a_failing_factory_releases_the_threads_waiting_at_the_barrier():
-    def make_drafter(device):
-        raise ToyFailure("no drafter today")
+def test_a_failing_warm_up_releases_the_threads_waiting_at_the_barrier():
+    class FailingWarmUp(ToyDrafter):
+        def warm_up(self):
+            raise ToyFailure("no compile today")
 
-    pipeline = Pipeline(PipelineConfig([CPU] * 2, [CPU] * 2, 2), ToyTarget, make_drafter, make_batches(8),
+    warmed = []
+
+    class WarmTarget(ToyTarget):
+        def warm_up(self):
+            warmed.append(self)
+
+    drafters = [ToyDrafter(CPU), FailingWarmUp(CPU)]
+    pipeline = Pipeline(PipelineConfig([CPU] * 2, [CPU] * 2, 2), [WarmTarget(CPU), WarmTarget(CPU)], drafters,
+                        make_batches(8), start_step=0, max_steps=4)
+    with pytest.raises(PipelineError, match="no compile today") as caught:
+        pipeline.run()
+    assert caught.value.thread == "drafter1" and len(warmed) == 2
+
+
+def test_replicas_must_start_identical():
+    drafters = [ToyDrafter(CPU), ToyDrafter(CPU)]
+    with torch.no_grad():
+        drafters[1].trainable_parameters()[2].add_(1e-6)
+    pipeline = Pipeline(PipelineConfig([CPU], [CPU] * 2, 2), [ToyTarget(CPU)], drafters, make_batches(8),
                         start_step=0, max_steps=4)
-    with pytest.raises(PipelineError, match="no drafter today"):
+    with pytest.raises(ValueError, match="replica 1 differs from replica 0 in trainable tensor 2"):
         pipeline.run()
 
 
