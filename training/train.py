@@ -30,12 +30,21 @@ from training.target import Target
 
 
 class StopRequest:
-    """Turns SIGTERM/SIGINT into a flag the loop checks between steps; a second signal acts at once."""
+    """While active, SIGTERM/SIGINT become a flag the loop checks between steps; a second signal acts at once."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
         self.signal: int | None = None
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, self._handle)
+        self._previous: dict = {}
+
+    def __enter__(self):
+        self._previous = {signum: signal.signal(signum, self._handle) for signum in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
 
     def _handle(self, signum, frame) -> None:
         self.signal = signum
@@ -93,7 +102,7 @@ def prepare_output_dir(config: TrainConfig, resume: bool) -> None:
     metrics_path(config.output_dir).unlink(missing_ok=True)
 
 
-def train(config: TrainConfig, resume: bool = False) -> int:
+def train(config: TrainConfig, resume: bool = False, stop: StopRequest | None = None) -> int:
     # Devices and numerics.
     target_device, drafter_device, backend = pick_devices(config)
     dtype = compute_dtype(config.dtype, drafter_device)
@@ -101,7 +110,7 @@ def train(config: TrainConfig, resume: bool = False) -> int:
         torch.set_num_threads(config.num_threads)
     torch.manual_seed(config.seed)
     prepare_output_dir(config, resume)
-    stop = StopRequest()
+    stop = stop or StopRequest()  # never entered: no signal handling when called as a library
 
     # The frozen target and the data it is read with.
     if config.build_tiny:
@@ -225,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # progress bars would fill the run's log file with carriage returns
-        return train(config, resume=args.resume)
+        with StopRequest() as stop:
+            return train(config, resume=args.resume, stop=stop)
     except (ConfigError, DataError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
