@@ -1,0 +1,365 @@
+"""One compiled flex_attention shared by every thread of the process, race-free by design (DESIGN §6).
+
+Why: dynamo keeps one cache entry per device x shape x grad mode. Past the recompile limit (default 8)
+a compiled function silently runs flex_attention uncompiled: dense scores, and with gradients a `make_fx`
+trace on every call, which sets the process-global FX tracing flag under the other threads' compiled
+calls ("Detected that you are using FX to symbolically trace a dynamo-optimized function").
+
+The discipline, enforced here:
+- one `torch.compile(fn, dynamic=False, fullgraph=True)` whose recompile limit is sized to
+  devices x shapes x grad modes + slack, so an overflow is a loud error, never an eager fallback;
+- every thread warms every shape and grad mode (forward, and backward for the grad mode) on its own
+  device under ONE process-wide lock, building its block masks there, then waits at a barrier;
+- after the barrier nothing compiles: calls outside the warmed keys raise `UnwarmedShapeError` before
+  dynamo sees them, and `torch.compiler.set_stance("fail_on_recompile")` (process-global) catches the rest;
+- counters prove it: compiled calls, compiles after warm-up, eager runs and FX traces (`CallAudit`).
+Nothing here switches a PyTorch check off or patches a PyTorch function: it only reads and observes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.fx._symbolic_trace as fx_symbolic_trace
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+# Every compile of this process happens under this lock, whichever instance asks for it.
+COMPILE_LOCK = threading.Lock()
+
+LimitVia = Literal["auto", "compile_kwarg", "thread_config"]
+
+
+class CompileDisciplineError(RuntimeError):
+    """The shared compiled attention was used against its discipline."""
+
+
+class UnwarmedShapeError(CompileDisciplineError):
+    """A call whose shape, layout, dtype, device or grad mode was not warmed (it would recompile)."""
+
+
+class RecompileLimitTooSmall(CompileDisciplineError):
+    """Warm-up needed more dynamo cache entries than the recompile limit allows."""
+
+
+class EagerFallbackError(CompileDisciplineError):
+    """The compiled function ran its own Python code: dynamo fell back to eager."""
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """One shape bucket: q is [batch, heads, q_len, head_dim]; k and v are [batch, kv_heads, kv_len, head_dim]."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class CompileStats:
+    compiled_calls: int  # steady-state calls handed to the compiled function
+    compiles_after_warmup: int  # dynamo compiles (and lazy backward compiles) anywhere in the process
+    eager_runs: int  # runs of the attention function's own code in audited threads (0 = always compiled)
+    fx_traces_after_warmup: int  # FX traces (`Tracer.trace`, what make_fx runs) in audited threads
+    fx_tracing_flag: bool  # torch.fx's process-global "a trace is running" flag, now
+
+
+def compile_accepts_recompile_limit() -> bool:
+    """torch >= 2.13 takes `recompile_limit=` in torch.compile; 2.11 only has the dynamo config."""
+    return "recompile_limit" in inspect.signature(torch.compile).parameters
+
+
+def fx_tracing_flag() -> bool:
+    return bool(fx_symbolic_trace._is_fx_tracing_flag)
+
+
+def contiguous_qkv(shape: AttentionShape, device: torch.device, dtype: torch.dtype, requires_grad: bool):
+    """Warm-up inputs laid out [batch, heads, seq, head_dim], contiguous."""
+
+    def make(heads: int, length: int) -> torch.Tensor:
+        x = torch.randn(shape.batch, heads, length, shape.head_dim, device=device, dtype=dtype)
+        return x.requires_grad_(requires_grad)
+
+    return make(shape.heads, shape.q_len), make(shape.kv_heads, shape.kv_len), make(shape.kv_heads, shape.kv_len)
+
+
+def projected_qkv(shape: AttentionShape, device: torch.device, dtype: torch.dtype, requires_grad: bool):
+    """Warm-up inputs laid out like a projection's output: [batch, seq, heads, head_dim] viewed transposed."""
+
+    def make(heads: int, length: int) -> torch.Tensor:
+        x = torch.randn(shape.batch, length, heads, shape.head_dim, device=device, dtype=dtype)
+        return x.requires_grad_(requires_grad).transpose(1, 2)
+
+    return make(shape.heads, shape.q_len), make(shape.kv_heads, shape.kv_len), make(shape.kv_heads, shape.kv_len)
+
+
+def _is_recompile_limit_hit(error: BaseException) -> bool:
+    limit_errors = tuple(
+        cls
+        for name in ("FailOnRecompileLimitHit", "RecompileLimitExceeded", "FailOnCacheLimitHit", "CacheLimitExceeded")
+        if (cls := getattr(torch._dynamo.exc, name, None)) is not None
+    )
+    chain: list[BaseException] = []
+    while error is not None and error not in chain:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    return any(isinstance(e, limit_errors) for e in chain)
+
+
+class CallAudit:
+    """Counts, through Python's per-thread profile hook (observation only), in the threads it is installed in:
+    runs of `fn`'s own code object (dynamo runs a compiled call as transformed code, so the original
+    code only runs when dynamo falls back to eager) and `torch.fx.Tracer.trace` runs (every make_fx)."""
+
+    def __init__(self, fn: Callable) -> None:
+        self._eager_code = inspect.unwrap(fn).__code__
+        # dynamo wraps Tracer.trace in its `disable` decorator on first use: watch the function inside
+        self._trace_code = inspect.unwrap(torch.fx.Tracer.trace).__code__
+        self._lock = threading.Lock()
+        self.eager_runs = 0
+        self.fx_traces = 0
+        self._previous = threading.local()
+
+    def _on_event(self, frame, event: str, arg) -> None:
+        if event != "call":
+            return
+        code = frame.f_code
+        if code is self._eager_code:
+            with self._lock:
+                self.eager_runs += 1
+        elif code is self._trace_code:
+            with self._lock:
+                self.fx_traces += 1
+
+    def install(self) -> None:
+        """Start counting in the calling thread (replaces that thread's profiler until `uninstall`)."""
+        if sys.getprofile() is self._on_event:
+            return
+        self._previous.hook = sys.getprofile()
+        sys.setprofile(self._on_event)
+
+    def uninstall(self) -> None:
+        if sys.getprofile() is self._on_event:
+            sys.setprofile(getattr(self._previous, "hook", None))
+
+
+class CompileEventCounter:
+    """Counts compile starts reported by dynamo's compile callbacks (dynamo frames and lazy backward compiles)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+        torch._dynamo.callback_handler.register_start_callback(self._on_start)
+
+    def _on_start(self, *_args) -> None:  # torch 2.11 and 2.13 pass a CallbackArgs; older ones nothing
+        with self._lock:
+            self.count += 1
+
+    def close(self) -> None:
+        if self._on_start in torch._dynamo.callback_handler.start_callbacks:  # torch._dynamo.reset() clears them
+            torch._dynamo.callback_handler.remove_start_callback(self._on_start)
+
+
+class SharedFlexAttention:
+    """The one compiled flex_attention of the process, called by several threads after a locked warm-up.
+
+    Usage: build it once before the threads start; each of the `threads` threads calls `warm_up(device, ...)`
+    (which returns once every thread has warmed), then calls the instance like flex_attention.
+    """
+
+    def __init__(
+        self,
+        *,
+        shapes: Sequence[AttentionShape],
+        devices: Sequence[torch.device | str | int],
+        threads: int,
+        dtype: torch.dtype = torch.bfloat16,
+        grad_modes: Iterable[bool] = (False, True),
+        backend: str = "inductor",
+        slack: int = 4,
+        recompile_limit: int | None = None,
+        limit_via: LimitVia = "auto",
+        fail_on_recompile: bool = True,
+        audit_steady_state: bool = False,
+        barrier_timeout_s: float = 1800.0,
+        attention_fn: Callable = flex_attention,
+    ) -> None:
+        self.shapes = tuple(shapes)
+        self.devices = tuple(torch.device(d) if not isinstance(d, int) else torch.device("cuda", d) for d in devices)
+        self.dtype = dtype
+        self.grad_modes = tuple(dict.fromkeys(grad_modes))
+        self.entries_needed = len(set(self.devices)) * len(self.shapes) * len(self.grad_modes)
+        self.recompile_limit = recompile_limit if recompile_limit is not None else self.entries_needed + slack
+        if limit_via == "auto":
+            limit_via = "compile_kwarg" if compile_accepts_recompile_limit() else "thread_config"
+        if limit_via == "compile_kwarg" and not compile_accepts_recompile_limit():
+            raise CompileDisciplineError(f"torch {torch.__version__}: torch.compile takes no recompile_limit")
+        self.limit_via = limit_via
+        self.fail_on_recompile = fail_on_recompile
+        self.audit_steady_state = audit_steady_state
+        self.barrier_timeout_s = barrier_timeout_s
+        self.attention_fn = attention_fn
+
+        limit_kwarg = {"recompile_limit": self.recompile_limit} if limit_via == "compile_kwarg" else {}
+        self._compiled = torch.compile(attention_fn, dynamic=False, fullgraph=True, backend=backend, **limit_kwarg)
+        self.audit = CallAudit(attention_fn)
+        self._compile_events = CompileEventCounter()
+        self._barrier = threading.Barrier(threads, action=self._enter_steady_state)
+        self._thread = threading.local()
+        self._warm_keys: set[tuple] = set()
+        self._steady = False
+        self._stance_set = False
+        self._counts_lock = threading.Lock()
+        self._compiled_calls = 0
+        self._compiles_at_barrier = 0
+        self._traces_at_barrier = 0
+
+    # ---- warm-up -------------------------------------------------------------------------------------
+
+    def warm_up(
+        self,
+        device: torch.device | str | int,
+        block_mask_for: Callable[[AttentionShape, torch.device], BlockMask],
+        qkv_for: Callable = contiguous_qkv,
+    ) -> None:
+        """Compile every shape x grad mode on `device` (forward, and backward in grad mode) under the
+        process-wide lock, then wait until every thread has done the same. `block_mask_for(shape, device)`
+        builds a mask like the steady-state ones; `qkv_for` makes inputs with the steady-state layout."""
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        if device not in self.devices:
+            raise CompileDisciplineError(f"warm_up on {device}: this attention was sized for {self.devices}")
+        try:
+            with COMPILE_LOCK:
+                self._limit_recompiles_in_this_thread()
+                self.audit.install()
+                try:
+                    for shape in self.shapes:
+                        for grad in self.grad_modes:
+                            if self._barrier.broken:
+                                raise CompileDisciplineError("another thread's warm-up failed")
+                            self._warm_one(shape, grad, device, block_mask_for, qkv_for)
+                finally:
+                    if not self.audit_steady_state:
+                        self.audit.uninstall()
+        except BaseException:
+            self._barrier.abort()  # the other threads stop at the barrier instead of waiting forever
+            raise
+        try:
+            self._barrier.wait(timeout=self.barrier_timeout_s)
+        except threading.BrokenBarrierError:
+            raise CompileDisciplineError(
+                "warm-up barrier broken: another thread failed its warm-up or did not arrive within "
+                f"{self.barrier_timeout_s:.0f} s"
+            ) from None
+
+    def _warm_one(self, shape, grad: bool, device, block_mask_for, qkv_for) -> None:
+        q, k, v = qkv_for(shape, device, self.dtype, grad)
+        block_mask = block_mask_for(shape, device)
+        eager_before = self.audit.eager_runs
+        try:
+            with torch.set_grad_enabled(grad):
+                key = self._key(q, k, v, block_mask)
+                out = self._call_compiled(q, k, v, block_mask)
+                if grad:
+                    out.sum().backward()  # inductor compiles the backward lazily: make it happen now
+        except Exception as error:
+            if _is_recompile_limit_hit(error):
+                raise RecompileLimitTooSmall(
+                    f"compiled flex_attention hit recompile_limit={self.recompile_limit} while warming {shape} "
+                    f"grad={grad} on {device}: the discipline needs {self.entries_needed} cache entries "
+                    f"({len(set(self.devices))} devices x {len(self.shapes)} shapes x {len(self.grad_modes)} "
+                    "grad modes) plus slack"
+                ) from error
+            raise
+        if self.audit.eager_runs != eager_before:
+            raise EagerFallbackError(
+                f"compiled flex_attention ran uncompiled while warming {shape} grad={grad} on {device} "
+                f"(recompile_limit={self.recompile_limit}): refusing a dense, tracing fallback"
+            )
+        self._warm_keys.add(key)
+
+    def _limit_recompiles_in_this_thread(self) -> None:
+        """Dynamo config is per thread since torch 2.12 (global before): set it in each calling thread."""
+        if getattr(self._thread, "limited", False):
+            return
+        config = torch._dynamo.config
+        if self.limit_via == "thread_config":
+            config.recompile_limit = self.recompile_limit
+        if getattr(config, "accumulated_recompile_limit", self.recompile_limit) < self.recompile_limit:
+            config.accumulated_recompile_limit = self.recompile_limit
+        self._thread.limited = True
+
+    def _enter_steady_state(self) -> None:
+        """Runs once, in one thread, while every other thread waits at the barrier: nobody is compiling."""
+        self._compiles_at_barrier = self._compile_events.count
+        self._traces_at_barrier = self.audit.fx_traces
+        if self.fail_on_recompile:
+            torch.compiler.set_stance("fail_on_recompile")  # process-global (torch 2.11 and 2.13)
+            self._stance_set = True
+        self._steady = True
+
+    # ---- steady state --------------------------------------------------------------------------------
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
+        if not self._steady:
+            raise CompileDisciplineError("shared flex_attention called before every thread finished warm_up")
+        key = self._key(q, k, v, block_mask)
+        if key not in self._warm_keys:
+            raise UnwarmedShapeError(self._describe_unwarmed(q, k, v))
+        self._limit_recompiles_in_this_thread()
+        with self._counts_lock:
+            self._compiled_calls += 1
+        return self._call_compiled(q, k, v, block_mask)
+
+    def _call_compiled(self, q, k, v, block_mask) -> torch.Tensor:
+        return self._compiled(q, k, v, block_mask=block_mask, enable_gqa=q.size(1) != k.size(1))
+
+    @staticmethod
+    def _key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> tuple:
+        """What dynamo's guards distinguish for these inputs (static shapes): one key, one cache entry."""
+        return (
+            q.device,
+            q.dtype,
+            torch.is_grad_enabled(),
+            *((tuple(t.shape), t.stride(), t.dtype, t.requires_grad) for t in (q, k, v)),
+            tuple(block_mask.shape),
+            getattr(block_mask.mask_mod, "__code__", block_mask.mask_mod),
+        )
+
+    def _describe_unwarmed(self, q, k, v) -> str:
+        return (
+            f"flex_attention call outside the warmed buckets: q {tuple(q.shape)} stride {q.stride()}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}, {q.dtype} on {q.device}, grad={torch.is_grad_enabled()} "
+            f"(requires_grad q/k/v {q.requires_grad}/{k.requires_grad}/{v.requires_grad}); warmed: "
+            f"{list(self.shapes)} x grad modes {self.grad_modes} on {list(self.devices)}, {self.dtype}, "
+            "same layout and mask_mod as warm-up. Pad to a bucket."
+        )
+
+    # ---- proof -----------------------------------------------------------------------------------------
+
+    def stats(self) -> CompileStats:
+        with self._counts_lock:
+            calls = self._compiled_calls
+        return CompileStats(
+            compiled_calls=calls,
+            compiles_after_warmup=self._compile_events.count - self._compiles_at_barrier if self._steady else 0,
+            eager_runs=self.audit.eager_runs,
+            fx_traces_after_warmup=self.audit.fx_traces - self._traces_at_barrier if self._steady else 0,
+            fx_tracing_flag=fx_tracing_flag(),
+        )
+
+    def close(self) -> None:
+        """Give the process back: default stance, no compile callback, no audit in the calling thread."""
+        if self._stance_set:
+            torch.compiler.set_stance("default")
+            self._stance_set = False
+        self._compile_events.close()
+        self.audit.uninstall()
