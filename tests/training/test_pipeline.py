@@ -269,6 +269,17 @@ def test_cli_sigterm_finishes_cleanly_with_a_checkpoint(tmp_path):
     assert f"saved checkpoint at step {saved['steps_done']}" in stdout
 
 
+def test_pipeline_bench_runs_in_its_smoke_form(tmp_path):
+    """The GPU benchmark's own code, on two CPU "devices" with tiny shapes: it runs and writes its table."""
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "pipeline_bench.py"), "--smoke", "--steps", "2",
+                             "--json", str(tmp_path / "bench.json")],
+                            capture_output=True, text=True, timeout=180, check=False)
+    assert result.returncode == 0, result.stderr
+    assert "threaded / serial tokens/s:" in result.stdout
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["threaded"]["tokens_per_s"] > 0 and set(report["threaded"]["busy"]) == {"target0", "drafter0"}
+
+
 def test_resolve_devices():
     assert resolve_devices(["cpu", "CPU"], "target_devices") == [CPU, CPU]
     with pytest.raises(ValueError, match="drafter_devices: 'gpu0'"):
