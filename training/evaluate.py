@@ -52,12 +52,14 @@ def acceptance_length(drafter: Drafter, evalset: EvalSet, dtype: torch.dtype) ->
     tokens_emitted, steps = 0, 0
     was_training = drafter.training
     drafter.eval()
+    width = evalset.tokens.shape[1]
     while bool(active.any()):
-        mask = build_mask("sdpa", anchors[:, None], active[:, None], evalset.tokens.shape[1], block)
+        at = anchors.clamp(max=width - 1)[:, None]  # finished rows may point one past the end; they are masked
+        mask = build_mask("sdpa", at, active[:, None], width, block)
         with autocast(evalset.tokens.device, dtype):
-            hidden = drafter(evalset.features, evalset.tokens.gather(1, anchors[:, None]), anchors[:, None], mask)
+            hidden = drafter(evalset.features, evalset.tokens.gather(1, at), at, mask)
             drafts = drafter.logits(hidden[:, 1:]).argmax(dim=-1)  # [E, block - 1]
-        truth_at = (anchors[:, None] + offsets).clamp(max=evalset.tokens.shape[1] - 1)
+        truth_at = (at + offsets).clamp(max=width - 1)
         agree = drafts == evalset.tokens.gather(1, truth_at)
         accepted = agree.long().cumprod(dim=-1).sum(dim=-1)
         emitted = accepted + 1

@@ -45,3 +45,9 @@ def tiny_world(tmp_path_factory) -> TinyWorld:
     world = TinyWorld(root / "target", root / "train.jsonl", root / "eval.jsonl")
     ensure_tiny(str(world.target), str(world.train), str(world.eval))
     return world
+
+
+@pytest.fixture(autouse=True)
+def _no_inherited_metrics_path(monkeypatch):
+    """Runs in tests write metrics under their output_dir unless a test sets $GPUCTL_METRICS itself."""
+    monkeypatch.delenv("GPUCTL_METRICS", raising=False)

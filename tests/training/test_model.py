@@ -91,8 +91,10 @@ class OracleDrafter(torch.nn.Module):
 
 def test_acceptance_length_counts_accepted_drafts_plus_the_bonus_token():
     tokens = torch.randint(0, 50, (2, 60))
-    evalset = EvalSet(tokens, torch.zeros(2, 60, 1), first_anchor=torch.tensor([10, 20]),
-                      lengths=torch.tensor([60, 45]))
+    # With whole blocks accepted, row 0 walks 12, 16, .., 56 and its last block ends exactly at the end, leaving
+    # its anchor one past it while row 1 (2, 6, .., 54) still drafts.
+    evalset = EvalSet(tokens, torch.zeros(2, 60, 1), first_anchor=torch.tensor([12, 2]),
+                      lengths=torch.tensor([60, 60]))
     assert acceptance_length(OracleDrafter(tokens, right=3), evalset, torch.float32) == 4.0  # the whole block
     assert acceptance_length(OracleDrafter(tokens, right=1), evalset, torch.float32) == 2.0
     assert acceptance_length(OracleDrafter(tokens, right=0), evalset, torch.float32) == 1.0
