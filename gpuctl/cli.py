@@ -103,11 +103,11 @@ def launch(
     with commands.connected(target) as ct:
         result = commands.launch(ct, target, opts, notify=render.message)
         remember(target)
-        render.launch_result(result, as_json=json_, to_stderr=follow)
-        if not result.run.state.active:
-            return ExitCode.OK if result.run.state == State.SUCCEEDED else ExitCode.RUN_FAILED
-        if follow:
+        render.launch_result(result, as_json=json_, to_stderr=follow, show_tail=not follow)
+        if follow:  # the whole log, even when the run already ended during the start check
             return _follow(ct, result.run.number, lines=None, offset=0)
+    if result.run.state in (State.FAILED, State.KILLED, State.LOST):
+        return ExitCode.RUN_FAILED
     return ExitCode.OK
 
 

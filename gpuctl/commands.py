@@ -275,11 +275,11 @@ def kill(ct: Container, run_number: int, signal_name: str, grace: float, notify:
         return KillResult(run=run, signalled=False)
     notify(f"sent SIG{signal_name} to tl{run.number} ({len(pids)} processes); waiting up to {grace:g} s")
 
-    def gone_within(seconds: float) -> tuple[Run, list[int]]:
+    def gone_within(seconds: float, sent: str) -> tuple[Run, list[int]]:
         @retry(stop=stop_after_delay(seconds), wait=wait_exponential(multiplier=0.02, max=0.5),
                retry=retry_if_result(lambda found: bool(found[1])))
         def check() -> tuple[Run, list[int]]:
-            found_run, found_pids = _kill_step(ct, run.number, "check", signal_name)
+            found_run, found_pids = _kill_step(ct, run.number, "check", sent)
             return found_run or run, found_pids
 
         try:
@@ -287,13 +287,13 @@ def kill(ct: Container, run_number: int, signal_name: str, grace: float, notify:
         except RetryError as e:
             return e.last_attempt.result()
 
-    run, pids = gone_within(grace)
+    run, pids = gone_within(grace, signal_name)
     escalated = False
     if pids:
         notify(f"tl{run.number} still has {len(pids)} processes after {grace:g} s: sending SIGKILL")
         escalated = True
         _kill_step(ct, run.number, "signal", "KILL")
-        run, pids = gone_within(KILL_VERIFY_S)
+        run, pids = gone_within(KILL_VERIFY_S, "KILL")
         if pids:
             raise GpuctlError(f"processes {' '.join(map(str, pids))} of tl{run.number} survived SIGKILL",
                               ExitCode.RUN_FAILED)

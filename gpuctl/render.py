@@ -152,7 +152,7 @@ def runs_table(runs: list[Run], ctid: int, host: str, as_json: bool) -> None:
     out.print(table)
 
 
-def launch_result(result: LaunchResult, as_json: bool, to_stderr: bool) -> None:
+def launch_result(result: LaunchResult, as_json: bool, to_stderr: bool, show_tail: bool) -> None:
     run = result.run
     if as_json:
         json_doc(run.to_json())
@@ -161,7 +161,7 @@ def launch_result(result: LaunchResult, as_json: bool, to_stderr: bool) -> None:
         out.print(Text.assemble("started ", (run.run_id, "bold"), f" (pid {run.record.get('pid')}, "
                                 f"process group {run.record.get('pgid')}): ", state_text(run)))
         out.print(Text(f"log: {run.log_path}"))
-    if result.tail:
+    if result.tail and show_tail:
         message(f"{run.run_id} ended during its start ({run.state.value}, exit {run.exit_code}); the log's end:")
         sys.stderr.write(result.tail.decode(errors="replace").rstrip("\n") + "\n")
 

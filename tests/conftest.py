@@ -1,0 +1,88 @@
+"""CLI fixtures: one stand-in Proxmox host (real sshd) per test session, a fresh container per test, and
+`gpuctl`, which runs the real command line in a subprocess with HOME and the XDG dirs in a temp dir (nothing of
+the user's ~/.ssh or ~/.local is read or written). Trainer fixtures live in tests/training/conftest.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.sandbox import StandInHost
+
+REPO = Path(__file__).resolve().parent.parent
+_ctids = itertools.count(200)
+
+
+@dataclass
+class Result:
+    code: int
+    stdout: str
+    stderr: str
+
+    def json(self):
+        return json.loads(self.stdout)
+
+
+class Gpuctl:
+    """Runs `python -m gpuctl ARGS` against the stand-in host and one container."""
+
+    def __init__(self, host: StandInHost, ctid: int, home: Path):
+        self.host, self.ctid, self.home = host, ctid, home
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUCTL_", "SSH_", "XDG_"))}
+        self.env.update(HOME=str(home), XDG_STATE_HOME=str(home / "state"), XDG_CONFIG_HOME=str(home / "config"),
+                        PYTHONPATH=str(REPO), NO_COLOR="1", **host.env(ctid))
+
+    def __call__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 120) -> Result:
+        proc = subprocess.run([sys.executable, "-m", "gpuctl", *args], cwd=REPO, env=self.env | (env or {}),
+                              capture_output=True, text=True, timeout=timeout, check=False)
+        return Result(proc.returncode, proc.stdout, proc.stderr)
+
+    def popen(self, *args: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "gpuctl", *args], cwd=REPO, env=self.env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def launch_fake(self, *sets: str, extra: tuple[str, ...] = ()) -> Result:
+        """Launch the fake trainer (tests/sandbox/fake_trainer.py) with `--set fake.K=V` options."""
+        args = ["launch", "--python", "fake-trainer", "--json", *extra]
+        for item in sets:
+            args += ["--set", f"fake.{item}"]
+        return self(*args)
+
+    def status(self, *args: str) -> dict:
+        result = self("status", "--json", *args)
+        assert result.code == 0, result.stderr
+        return result.json()
+
+    def path(self, path: str) -> Path:
+        """Where a path of the container lives on this machine."""
+        return self.host.path_in(self.ctid, path)
+
+
+@pytest.fixture(scope="session")
+def standin(tmp_path_factory) -> StandInHost:
+    host = StandInHost(tmp_path_factory.mktemp("standin")).start()
+    yield host
+    host.stop()
+
+
+@pytest.fixture
+def ctid(standin: StandInHost) -> int:
+    ctid = next(_ctids)
+    standin.add_container(ctid)
+    yield ctid
+    standin.kill_container_processes(ctid)  # leave nothing running behind a failed test
+
+
+@pytest.fixture
+def gpuctl(standin: StandInHost, ctid: int, tmp_path: Path) -> Gpuctl:
+    home = tmp_path / "home"
+    home.mkdir()
+    return Gpuctl(standin, ctid, home)
