@@ -84,6 +84,7 @@ class StepReport:
 class RunResult:
     steps_done: int
     stopped: bool  # a stop was requested before max_steps
+    stop_signal: int | None = None  # the signal that requested it, if one did
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,7 +402,7 @@ class Pipeline:
         self._error: tuple[str, BaseException] | None = None
         self._error_lock = threading.Lock()
         self._stop_requested = False
-        self._signals = 0
+        self._signals: list[int] = []  # received by run()'s handlers, acted on by the supervisor loop
         self._progress = 0
         self._steps_done = start_step
         self._ready_barrier = threading.Barrier(
@@ -466,15 +467,19 @@ class Pipeline:
         if self._error is not None:
             thread, error = self._error
             raise PipelineError(thread, error, [t.name for t in threads if t.is_alive()])
-        return RunResult(self._steps_done, stopped=self._stop_requested and self._steps_done < self._max_steps)
+        return RunResult(
+            self._steps_done,
+            stopped=self._stop_requested and self._steps_done < self._max_steps,
+            stop_signal=self._signals[0] if self._signals else None,
+        )
 
     @contextmanager
     def _signals_request_stop(self):
-        def count_signal(signum, frame):
-            # Only count here: the supervisor loop acts on it (a handler must not take locks).
-            self._signals += 1
+        def note_signal(signum, frame):
+            # Only note it here: the supervisor loop acts on it (a handler must not take locks).
+            self._signals.append(signum)
 
-        previous = {sig: signal.signal(sig, count_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        previous = {sig: signal.signal(sig, note_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             yield
         finally:
@@ -487,10 +492,11 @@ class Pipeline:
         seen_signals = 0
         while any(t.is_alive() for t in threads):
             next(t for t in threads if t.is_alive()).join(0.2)
-            if self._signals != seen_signals:
-                seen_signals = self._signals
+            if len(self._signals) != seen_signals:
+                seen_signals = len(self._signals)
                 if seen_signals == 1:
-                    print("pipeline: stop requested; stopping at the next step boundary", file=sys.stderr, flush=True)
+                    name = signal.Signals(self._signals[0]).name
+                    print(f"pipeline: {name}: stopping at the next step boundary", file=sys.stderr, flush=True)
                     self.request_stop()
                 else:
                     self._fail("signal", KeyboardInterrupt("a second stop signal: aborting without a checkpoint"))
@@ -585,6 +591,7 @@ class Pipeline:
             with self._busy(name, stream):
                 for param, grad in zip(params, self._plan_grads[index]):
                     param.grad = grad
+                self._plan_grads[index] = []  # the replica's .grad is now the only reference
                 worker.optimizer_step()
                 for param in params:
                     param.grad = None

@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         print(error.traceback_text, file=sys.stderr)
         print(f"error: {error}", file=sys.stderr)
         return 1
-    args.checkpoint.write_text(json.dumps({"steps_done": result.steps_done, "stopped": result.stopped}))
+    args.checkpoint.write_text(json.dumps({"steps_done": result.steps_done, "stopped": result.stopped,
+                                                "signal": result.stop_signal}))
     print(f"saved checkpoint at step {result.steps_done}", flush=True)
     return 0
 

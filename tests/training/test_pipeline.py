@@ -265,7 +265,7 @@ def test_cli_sigterm_finishes_cleanly_with_a_checkpoint(tmp_path):
     code, stdout, _ = run_toy_cli(tmp_path, "--drafter-delay", "0.01", signal_after_step=2)
     assert code == 0
     saved = json.loads((tmp_path / "ckpt.json").read_text())
-    assert saved["stopped"] and 2 <= saved["steps_done"] < 1000
+    assert saved["stopped"] and 2 <= saved["steps_done"] < 1000 and saved["signal"] == signal.SIGTERM
     assert f"saved checkpoint at step {saved['steps_done']}" in stdout
 
 
