@@ -33,7 +33,7 @@ from torch.nn.attention.flex_attention import _apply_kernel_options, flex_attent
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from training.compile import (
+from training.compile import (  # noqa: E402
     AttentionShape,
     CallAudit,
     CompileDisciplineError,
@@ -44,7 +44,7 @@ from training.compile import (
     fx_tracing_flag,
     projected_qkv,
 )
-from training.mask import build_block_mask, dense_mask
+from training.mask import build_block_mask, dense_mask  # noqa: E402
 
 BLOCK = 16
 NUM_BLOCKS = 2
@@ -157,15 +157,16 @@ def fresh_dynamo():
 
 
 def make_attention(threads: int, **overrides) -> SharedFlexAttention:
-    options = {
-        "shapes": SHAPES,
-        "devices": ["cpu"],
-        "threads": threads,
-        "dtype": torch.float32,
-        "backend": "aot_eager",
-        "attention_fn": flex_attention_cpu_backward,
-    }
-    return SharedFlexAttention(**{**options, **overrides})
+    options = dict(
+        shapes=SHAPES,
+        devices=["cpu"],
+        threads=threads,
+        dtype=torch.float32,
+        backend="aot_eager",
+        attention_fn=flex_attention_cpu_backward,
+    )
+    options.update(overrides)
+    return SharedFlexAttention(**options)
 
 
 def test_threads_share_the_warm_cache_without_tracing_or_eager_runs():
@@ -201,7 +202,6 @@ def test_undisciplined_compile_overflows_into_eager_tracing_calls():
     subprocess (a race may crash or hang it; its watchdog bounds it)."""
     result = subprocess.run(
         [sys.executable, __file__, "undisciplined"],
-        check=False,
         capture_output=True,
         text=True,
         timeout=THREAD_TIMEOUT_S + 60,
@@ -320,7 +320,7 @@ def test_a_recompile_past_the_shape_check_fails_loudly_after_warmup():
     def worker(index: int) -> None:
         attention.warm_up("cpu", warmup_block_mask, projected_qkv)
         if index == 0:
-            q, k, _ = projected_qkv(SHAPES[0], torch.device("cpu"), torch.float32, False)
+            q, k, v = projected_qkv(SHAPES[0], torch.device("cpu"), torch.float32, False)
             with torch.no_grad(), pytest.raises(Exception, match="fail_on_recompile") as raised:
                 attention(q, k, k, warmup_block_mask(SHAPES[0], torch.device("cpu")))
             outcome["error"] = raised.value
