@@ -53,8 +53,9 @@ class DrafterWorker(Protocol):
     def trainable_parameters(self) -> list[torch.Tensor]:
         """The parameters that train, in the same order on every replica."""
 
-    def loss(self, features: Any, batch: Any) -> torch.Tensor:
-        """The mean loss of one micro-batch; features and batch are already on this replica's device."""
+    def loss(self, features: Any, batch: Any) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The mean loss of one micro-batch, optionally with other scalar metrics to average like it (e.g.
+        accuracy); features and batch are already on this replica's device."""
 
     def optimizer_step(self) -> None:
         """Step the optimizer (and LR schedule) on the gradients the pipeline has put in `.grad`."""
@@ -78,6 +79,7 @@ class StepReport:
     step: int  # steps completed, this one included
     loss: float  # mean micro-batch loss of the step
     grad_norm: float  # total gradient norm before clipping
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the loss's companions, averaged alike
 
 
 @dataclasses.dataclass(frozen=True)
@@ -409,8 +411,9 @@ class Pipeline:
             len(config.target_devices) + len(config.drafter_devices), action=self._start_steady_state
         )
         self._step_barrier = threading.Barrier(len(config.drafter_devices))
+        # Per replica: the step's summed loss and companion metrics, read by the leader at the step boundary.
+        self._step_sums: list[dict[str, torch.Tensor]] = [{} for _ in config.drafter_devices]
         # Written by the leader drafter between the two step barriers, read by every drafter after the second.
-        self._step_losses: list[torch.Tensor | None] = [None] * len(config.drafter_devices)
         self._plan_complete = False
         self._plan_stop_after = False
         self._plan_grads: list[list[torch.Tensor]] = []
@@ -567,20 +570,22 @@ class Pipeline:
         params = list(worker.trainable_parameters())
         leader = index == 0
         for step in range(self._start_step, self._max_steps):
-            loss_sum = torch.zeros((), device=device)
+            sums: dict[str, torch.Tensor] = {}
             while (micro := self._handoff.claim_for_drafter(step)) is not None:
                 item = self._handoff.take((step, micro))
                 if item is None:
                     break
                 with self._busy(name, stream):
                     features, batch = move_to_device(item, device)
-                    loss = worker.loss(features, batch)
+                    output = worker.loss(features, batch)
+                    loss, metrics = output if isinstance(output, tuple) else (output, {})
                     (loss / self._per_step).backward()
-                    loss_sum += loss.detach()
+                    for key, value in {"loss": loss, **metrics}.items():
+                        sums[key] = sums[key] + value.detach() if key in sums else value.detach().float()
                 # Only now, with this stream synchronized, may the target's tensors be freed.
-                del item, features, batch, loss
+                del item, features, batch, output, loss
                 self._handoff.mark_done(step)
-            self._step_losses[index] = loss_sum
+            self._step_sums[index] = sums
             self._step_barrier.wait()
             if leader:
                 with self._busy(name, stream):
@@ -619,5 +624,9 @@ class Pipeline:
             # other drafters read their gradients on their own streams.
             for device in set(devices):
                 torch.cuda.current_stream(device).synchronize()
-        loss = sum(float(x) for x in self._step_losses) / self._per_step
-        self._report = StepReport(step=step + 1, loss=loss, grad_norm=float(norm))
+        means = {}
+        for sums in self._step_sums:
+            for key, value in sums.items():
+                means[key] = means.get(key, 0.0) + float(value) / self._per_step
+        loss = means.pop("loss")
+        self._report = StepReport(step=step + 1, loss=loss, grad_norm=float(norm), metrics=means)

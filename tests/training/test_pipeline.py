@@ -57,16 +57,20 @@ def reference_parameters(batches, per_step, steps, grad_clip, device=CPU):
     """The plain single-device loop: M micro-batches per step, each loss / M, clip, one optimizer step."""
     target, drafter = ToyTarget(device), ToyDrafter(device)
     params = drafter.trainable_parameters()
-    norms = []
+    reports = []
     for step in range(steps):
+        loss_sum = mae_sum = 0.0
         for batch in batches[step * per_step:(step + 1) * per_step]:
             with torch.no_grad():
                 features = target.features(batch)
-            (drafter.loss(features, {**batch, "y": batch["y"].to(device)}) / per_step).backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(params, grad_clip)))
+            loss, metrics = drafter.loss(features, {**batch, "y": batch["y"].to(device)})
+            (loss / per_step).backward()
+            loss_sum, mae_sum = loss_sum + float(loss), mae_sum + float(metrics["mae"])
+        norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+        reports.append(StepReport(step + 1, loss_sum / per_step, norm, {"mae": mae_sum / per_step}))
         drafter.optimizer_step()
         drafter.optimizer.zero_grad(set_to_none=True)
-    return [p.detach().cpu() for p in params], norms
+    return [p.detach().cpu() for p in params], reports
 
 
 def assert_replicas_identical(pipeline):
@@ -109,9 +113,12 @@ def test_k_replica_step_equals_single_replica_step(replicas, per_step):
                      on_step=reports.append)
     pipeline.run()
 
-    expected, norms = reference_parameters(batches, per_step, steps, clip)
-    assert [r.grad_norm for r in reports] == pytest.approx(norms, rel=1e-5)
-    assert any(norm > clip for norm in norms)  # clipping took part
+    expected, expected_reports = reference_parameters(batches, per_step, steps, clip)
+    for got, want in zip(reports, expected_reports, strict=True):
+        assert got.step == want.step
+        assert (got.loss, got.grad_norm, got.metrics["mae"]) == pytest.approx(
+            (want.loss, want.grad_norm, want.metrics["mae"]), rel=1e-5)
+    assert any(r.grad_norm > clip for r in expected_reports)  # clipping took part
     for got, want in zip(pipeline.drafters[0].trainable_parameters(), expected):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert_replicas_identical(pipeline)
