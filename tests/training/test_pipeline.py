@@ -308,16 +308,17 @@ def test_gradient_sum_without_clipping_is_the_plain_sum():
     torch.testing.assert_close(norm, torch.tensor((3 * 36.0 + 4 * 9.0) ** 0.5))
 
 
-gpu = pytest.mark.gpu
-
-
-@gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-@pytest.mark.parametrize("drafter_gpus", [[0, 1], [1, 1]])  # NCCL across GPUs; plain sum on a shared GPU
-def test_gpu_replicas_match_single_replica_and_stay_identical(drafter_gpus):
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "target_gpus,drafter_gpus",
+    [([0, 0], [0, 0]), ([0, 1], [0, 1]), ([0, 1], [1, 1])],  # one shared GPU; NCCL across two; plain sum on one
+)
+def test_gpu_replicas_match_single_replica_and_stay_identical(target_gpus, drafter_gpus):
+    if torch.cuda.device_count() <= max(target_gpus + drafter_gpus):
+        pytest.skip(f"needs {max(target_gpus + drafter_gpus) + 1} CUDA GPUs")
     steps, per_step, clip = 4, 5, 0.5
     batches = make_batches(steps * per_step)
-    targets = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    targets = [torch.device("cuda", i) for i in target_gpus]
     drafters = [torch.device("cuda", i) for i in drafter_gpus]
     pipeline = build(targets, drafters, per_step, steps, grad_clip=clip, batches=batches)
     pipeline.run()
