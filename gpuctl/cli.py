@@ -11,13 +11,16 @@ import sys
 from collections.abc import Callable
 from typing import Annotated
 
-import click
 import typer
 
 from gpuctl import commands, render, ssh
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
 from gpuctl.runs import State, parse_run_ref, parse_signal
 from gpuctl.target import TargetFlags, remember, resolve
+
+# Newer Typer releases vendor their own click: take its exceptions from the module Typer's own come from.
+click_exceptions = sys.modules[typer.BadParameter.__module__]
+NoArgsIsHelp = getattr(click_exceptions, "NoArgsIsHelpError", ())
 
 app = typer.Typer(
     name="gpuctl",
@@ -183,14 +186,14 @@ def run(argv: list[str] | None = None) -> int:
     except GpuctlError as e:
         render.error(str(e))
         return int(e.code)
-    except click.exceptions.NoArgsIsHelpError as e:
-        click.echo(e.ctx.get_help())
+    except NoArgsIsHelp as e:
+        print(e.ctx.get_help())
         return int(ExitCode.USAGE)
-    except click.UsageError as e:
+    except click_exceptions.UsageError as e:
         where = f"gpuctl {e.ctx.info_name} --help" if e.ctx and e.ctx.parent else "gpuctl --help"
         render.error(f"{e.format_message()} (see {where})")
         return int(ExitCode.USAGE)
-    except (KeyboardInterrupt, click.Abort):
+    except (KeyboardInterrupt, typer.Abort):
         render.error("interrupted")
         return int(ExitCode.INTERRUPTED)
     except BrokenPipeError:

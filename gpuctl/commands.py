@@ -144,7 +144,6 @@ def plan_launch(target: Target, opts: LaunchOptions) -> str:
 def launch(ct: Container, target: Target, opts: LaunchOptions, notify: Notify) -> LaunchResult:
     opts, config_file = _check_launch_options(opts)
     package = build_package(config_file)
-    notify(f"staging {len(package.files)} files ({package.size / 1024:.0f} KiB) in CT {ct.ctid}")
     values = _launch_values(target, opts, package)
     replaced = None
     result = ct.run("launch", **values)

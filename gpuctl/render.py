@@ -156,11 +156,11 @@ def launch_result(result: LaunchResult, as_json: bool, to_stderr: bool, show_tai
     run = result.run
     if as_json:
         json_doc(run.to_json())
-    else:
-        out = _console(stderr=to_stderr)
-        out.print(Text.assemble("started ", (run.run_id, "bold"), f" (pid {run.record.get('pid')}, "
-                                f"process group {run.record.get('pgid')}): ", state_text(run)))
-        out.print(Text(f"log: {run.log_path}"))
+    out = _console(stderr=to_stderr or as_json)  # with --json, the human lines go to stderr
+    out.print(Text.assemble("started ", (run.run_id, "bold"), f" (pid {run.record.get('pid')}, "
+                            f"process group {run.record.get('pgid')}): ", state_text(run)))
+    out.print(Text(f"log: {run.log_path}   (staged {len(result.package.files)} files, "
+                   f"{result.package.size / 1024:.0f} KiB)"))
     if result.tail and show_tail:
         message(f"{run.run_id} ended during its start ({run.state.value}, exit {run.exit_code}); the log's end:")
         sys.stderr.write(result.tail.decode(errors="replace").rstrip("\n") + "\n")
