@@ -14,6 +14,9 @@ The discipline, enforced here:
   dynamo sees them, and `torch.compiler.set_stance("fail_on_recompile")` (process-global) catches the rest;
 - counters prove it: compiled calls, compiles after warm-up, eager runs and FX traces (`CallAudit`).
 Nothing here switches a PyTorch check off or patches a PyTorch function: it only reads and observes.
+
+One instance per process: dynamo keeps its cache on the compiled function's code object, so every
+torch.compile of flex_attention in the process shares those entries and their limit.
 """
 
 from __future__ import annotations
@@ -239,19 +242,16 @@ class SharedFlexAttention:
         try:
             with COMPILE_LOCK:
                 self._limit_recompiles_in_this_thread()
-                self.audit.install()
-                try:
-                    for shape in self.shapes:
-                        for grad in self.grad_modes:
-                            if self._barrier.broken:
-                                raise CompileDisciplineError("another thread's warm-up failed")
-                            self._warm_one(shape, grad, device, block_mask_for, qkv_for)
-                finally:
-                    if not self.audit_steady_state:
-                        self.audit.uninstall()
+                for shape in self.shapes:
+                    for grad in self.grad_modes:
+                        if self._barrier.broken:
+                            raise CompileDisciplineError("another thread's warm-up failed")
+                        self._warm_one(shape, grad, device, block_mask_for, qkv_for)
         except BaseException:
             self._barrier.abort()  # the other threads stop at the barrier instead of waiting forever
             raise
+        if self.audit_steady_state:
+            self.audit.install()
         try:
             self._barrier.wait(timeout=self.barrier_timeout_s)
         except threading.BrokenBarrierError:
@@ -261,30 +261,39 @@ class SharedFlexAttention:
             ) from None
 
     def _warm_one(self, shape, grad: bool, device, block_mask_for, qkv_for) -> None:
+        """Compile one key, then prove a second call runs the compiled code: no eager run, no FX trace."""
         q, k, v = qkv_for(shape, device, self.dtype, grad)
         block_mask = block_mask_for(shape, device)
-        eager_before = self.audit.eager_runs
-        try:
-            with torch.set_grad_enabled(grad):
-                key = self._key(q, k, v, block_mask)
-                out = self._call_compiled(q, k, v, block_mask)
-                if grad:
-                    out.sum().backward()  # inductor compiles the backward lazily: make it happen now
-        except Exception as error:
-            if _is_recompile_limit_hit(error):
-                raise RecompileLimitTooSmall(
-                    f"compiled flex_attention hit recompile_limit={self.recompile_limit} while warming {shape} "
-                    f"grad={grad} on {device}: the discipline needs {self.entries_needed} cache entries "
-                    f"({len(set(self.devices))} devices x {len(self.shapes)} shapes x {len(self.grad_modes)} "
-                    "grad modes) plus slack"
-                ) from error
-            raise
-        if self.audit.eager_runs != eager_before:
+        with torch.set_grad_enabled(grad):
+            key = self._key(q, k, v, block_mask)
+            try:
+                self._forward_backward(q, k, v, block_mask, grad)
+            except Exception as error:
+                if _is_recompile_limit_hit(error):
+                    raise RecompileLimitTooSmall(
+                        f"compiled flex_attention hit recompile_limit={self.recompile_limit} while warming "
+                        f"{shape} grad={grad} on {device}: the discipline needs {self.entries_needed} cache "
+                        f"entries ({len(set(self.devices))} devices x {len(self.shapes)} shapes x "
+                        f"{len(self.grad_modes)} grad modes) plus slack"
+                    ) from error
+                raise
+            eager_before, traces_before = self.audit.eager_runs, self.audit.fx_traces
+            self.audit.install()  # not during the compile above: the profile hook would slow it ~3x
+            try:
+                self._forward_backward(q, k, v, block_mask, grad)
+            finally:
+                self.audit.uninstall()
+        if (self.audit.eager_runs, self.audit.fx_traces) != (eager_before, traces_before):
             raise EagerFallbackError(
-                f"compiled flex_attention ran uncompiled while warming {shape} grad={grad} on {device} "
-                f"(recompile_limit={self.recompile_limit}): refusing a dense, tracing fallback"
+                f"compiled flex_attention ran uncompiled or traced while warming {shape} grad={grad} on "
+                f"{device} (recompile_limit={self.recompile_limit}): refusing a dense, tracing fallback"
             )
         self._warm_keys.add(key)
+
+    def _forward_backward(self, q, k, v, block_mask, grad: bool) -> None:
+        out = self._call_compiled(q, k, v, block_mask)
+        if grad:
+            out.sum().backward()  # inductor compiles the backward lazily: make it happen now
 
     def _limit_recompiles_in_this_thread(self) -> None:
         """Dynamo config is per thread since torch 2.12 (global before): set it in each calling thread."""
@@ -308,7 +317,13 @@ class SharedFlexAttention:
 
     # ---- steady state --------------------------------------------------------------------------------
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask, enable_gqa: bool | None = None
+    ) -> torch.Tensor:
+        """flex_attention(q, k, v, block_mask=..., enable_gqa=...) on a warmed key; grouped-query when the
+        head counts differ (an explicit `enable_gqa` must agree: it is a compile-time constant)."""
+        if enable_gqa is not None and enable_gqa != (q.size(1) != k.size(1)):
+            raise UnwarmedShapeError(f"enable_gqa={enable_gqa} with {q.size(1)} query and {k.size(1)} kv heads")
         if not self._steady:
             raise CompileDisciplineError("shared flex_attention called before every thread finished warm_up")
         key = self._key(q, k, v, block_mask)

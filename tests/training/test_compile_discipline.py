@@ -33,18 +33,19 @@ from torch.nn.attention.flex_attention import _apply_kernel_options, flex_attent
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from training.compile import (  # noqa: E402
+from training.compile import (
     AttentionShape,
     CallAudit,
     CompileDisciplineError,
     CompileEventCounter,
+    EagerFallbackError,
     RecompileLimitTooSmall,
     SharedFlexAttention,
     UnwarmedShapeError,
     fx_tracing_flag,
     projected_qkv,
 )
-from training.mask import build_block_mask, dense_mask  # noqa: E402
+from training.mask import build_block_mask, dense_mask
 
 BLOCK = 16
 NUM_BLOCKS = 2
@@ -157,16 +158,15 @@ def fresh_dynamo():
 
 
 def make_attention(threads: int, **overrides) -> SharedFlexAttention:
-    options = dict(
-        shapes=SHAPES,
-        devices=["cpu"],
-        threads=threads,
-        dtype=torch.float32,
-        backend="aot_eager",
-        attention_fn=flex_attention_cpu_backward,
-    )
-    options.update(overrides)
-    return SharedFlexAttention(**options)
+    options = {
+        "shapes": SHAPES,
+        "devices": ["cpu"],
+        "threads": threads,
+        "dtype": torch.float32,
+        "backend": "aot_eager",
+        "attention_fn": flex_attention_cpu_backward,
+    }
+    return SharedFlexAttention(**{**options, **overrides})
 
 
 def test_threads_share_the_warm_cache_without_tracing_or_eager_runs():
@@ -202,6 +202,7 @@ def test_undisciplined_compile_overflows_into_eager_tracing_calls():
     subprocess (a race may crash or hang it; its watchdog bounds it)."""
     result = subprocess.run(
         [sys.executable, __file__, "undisciplined"],
+        check=False,
         capture_output=True,
         text=True,
         timeout=THREAD_TIMEOUT_S + 60,
@@ -320,7 +321,7 @@ def test_a_recompile_past_the_shape_check_fails_loudly_after_warmup():
     def worker(index: int) -> None:
         attention.warm_up("cpu", warmup_block_mask, projected_qkv)
         if index == 0:
-            q, k, v = projected_qkv(SHAPES[0], torch.device("cpu"), torch.float32, False)
+            q, k, _ = projected_qkv(SHAPES[0], torch.device("cpu"), torch.float32, False)
             with torch.no_grad(), pytest.raises(Exception, match="fail_on_recompile") as raised:
                 attention(q, k, k, warmup_block_mask(SHAPES[0], torch.device("cpu")))
             outcome["error"] = raised.value
@@ -332,6 +333,19 @@ def test_a_recompile_past_the_shape_check_fails_loudly_after_warmup():
         attention.close()
     assert "error" in outcome
     assert stats.eager_runs == 0
+
+
+def test_a_silent_eager_run_during_warmup_is_refused():
+    """If dynamo runs the compiled function eagerly without raising (here: a force_eager stance left by
+    someone else), warm-up's second, audited call sees the function's own code run and refuses."""
+    attention = make_attention(1, shapes=SHAPES[:1], grad_modes=(False,))
+    torch.compiler.set_stance("force_eager")
+    try:
+        with pytest.raises(EagerFallbackError, match="ran uncompiled"):
+            attention.warm_up("cpu", warmup_block_mask, projected_qkv)
+    finally:
+        torch.compiler.set_stance("default")
+        attention.close()
 
 
 def test_per_thread_config_path_sizes_the_limit_in_each_worker():
@@ -379,6 +393,28 @@ def test_inductor_compiles_the_public_flex_attention_forward_for_threads():
         attention.close()
     assert stats.compiled_calls == threads * 4
     assert (stats.compiles_after_warmup, stats.eager_runs, stats.fx_tracing_flag) == (0, 0, False)
+
+
+TINY_BENCH = [
+    "--devices", "cpu", "--threads-per-device", "2", "--modes", "forward", "--backend", "aot_eager",
+    "--heads", "2", "--kv-heads", "2", "--head-dim", "16", "--blocks", "2", "--steps", "4",
+    "--contexts", ",".join(str(c) for c in range(32, 320, 32)),  # 9 buckets x 1 mode > 8 entries
+]
+
+
+@pytest.mark.parametrize("undisciplined", [False, True], ids=["disciplined", "undisciplined"])
+def test_bench_compile_race_runs_on_the_cpu(undisciplined: bool):
+    """The GPU bench's own code paths, tiny and on the CPU: clean with the discipline, eager runs without."""
+    command = [sys.executable, "bench/compile_race.py", *TINY_BENCH] + (["--undisciplined"] if undisciplined else [])
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300, cwd=REPO)
+    header, row = done.stdout.splitlines()[:2]
+    columns = dict(zip(header.split(), row.split()))
+    assert columns["hang"] == "False" and columns["fx_errors"] == "0", done.stdout + done.stderr[-2000:]
+    if undisciplined:
+        assert done.returncode == 1 and int(columns["eager"]) > 0, done.stdout
+    else:
+        assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+        assert (columns["compiles*"], columns["traces*"], columns["eager"]) == ("0", "0", "0")
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["undisciplined"]:
