@@ -112,7 +112,8 @@ def qwen3_8b_shapes(device: torch.device, steps: int, small: bool) -> None:
 
     torch.manual_seed(0)
     config = DrafterConfig.from_target(model.config, num_layers=5, block_size=BLOCK, target_layers=target.layers)
-    drafter = Drafter(config, model.get_input_embeddings().weight, model.get_output_embeddings().weight).to(device)
+    with torch.device(device):
+        drafter = Drafter(config, model.get_input_embeddings().weight, model.get_output_embeddings().weight)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=6e-4, betas=(0.9, 0.95), weight_decay=0.0, fused=cuda)
     scheduler = cosine_schedule(optimizer, 1000, 0.04)

@@ -137,7 +137,8 @@ class Drafter(nn.Module):
                 nn.init.normal_(module.weight, std=0.02)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
-        nn.init.normal_(self.mask_embedding, std=float(self.embed_weight.float().std()))
+        # The scale of the target's token embeddings (a slice: no float copy of a 151k-row table).
+        nn.init.normal_(self.mask_embedding, std=float(self.embed_weight[:8192].float().std()))
 
     def forward(self, features: torch.Tensor, anchor_tokens: torch.Tensor, anchors: torch.Tensor,
                 mask: AttentionMask) -> torch.Tensor:

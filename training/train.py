@@ -108,7 +108,6 @@ def train(config: TrainConfig, resume: bool = False, stop: StopRequest | None = 
     dtype = compute_dtype(config.dtype, drafter_device)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    torch.manual_seed(config.seed)
     prepare_output_dir(config, resume)
     stop = stop or StopRequest()  # never entered: no signal handling when called as a library
 
@@ -138,7 +137,9 @@ def train(config: TrainConfig, resume: bool = False, stop: StopRequest | None = 
                                                target.layers)
     embedding = target.model.get_input_embeddings().weight.to(drafter_device)
     lm_head = target.model.get_output_embeddings().weight.to(drafter_device)
-    drafter = Drafter(drafter_config, embedding, lm_head).to(drafter_device)
+    torch.manual_seed(config.seed)  # here, so that building the tiny world first changes nothing
+    with torch.device(drafter_device):  # initialised in place: a 1 B-parameter drafter is slow to init on a CPU
+        drafter = Drafter(drafter_config, embedding, lm_head)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay,
                                   fused=drafter_device.type == "cuda")
