@@ -28,7 +28,7 @@ DEFAULT_CONNECT_TIMEOUT = 10.0
 ENV = {"host": "GPUCTL_HOST", "port": "GPUCTL_PORT", "user": "GPUCTL_USER", "identity": "GPUCTL_IDENTITY",
        "ct": "GPUCTL_CT", "ssh_config": "GPUCTL_SSH_CONFIG"}
 REMEMBERED = "target.json"
-TARGET_RE = re.compile(r"^(?:(?P<user>[^@/\s]+)@)?(?P<host>[^@/:\s]+|\[[0-9a-fA-F:.]+\])"
+TARGET_RE = re.compile(r"^(?:(?P<user>[^@/\s]+)@)?(?P<host>\[[0-9a-fA-F:.]+\]|[^@/:\s\[\]]+)"
                        r"(?::(?P<port>[^/]*))?(?:/(?P<ct>.*))?$")
 
 

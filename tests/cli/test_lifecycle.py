@@ -140,9 +140,7 @@ def test_second_launch_while_one_runs_is_refused_then_replaced(gpuctl, standin, 
 
 def test_kill_escalates_and_leaves_no_process_of_the_run(gpuctl, standin, ctid):
     # A bystander in the same container, named like a trainer: kill must not touch it.
-    bystander = standin.pct("exec", str(ctid), "--", "/bin/bash", "-c",
-                            "setsid python3 -c 'import time; time.sleep(300)' </dev/null >/dev/null 2>&1 & echo $!")
-    bystander_pid = int(bystander.stdout)
+    bystander_pid = standin.start_detached(ctid, "python3 -c 'import time; time.sleep(300)'")
     run = gpuctl.launch_fake(*LONG, "child=1", "ignore_term=1").json()
     wait_for_state(gpuctl, "running")
 

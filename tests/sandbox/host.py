@@ -34,8 +34,12 @@ def free_port() -> int:
 
 
 def install_script(source: Path, target: Path) -> None:
-    """Copy a Python script, pointing its shebang at this interpreter (the one that has torch)."""
-    target.write_text(f"#!{sys.executable}\n" + source.read_text())
+    """Copy a Python script, pointing its shebang at this interpreter (the one that has torch).
+
+    -S: these scripts need only the standard library, and skipping site-packages' start-up hooks keeps the
+    stand-in's own overhead out of gpuctl's measured latency.
+    """
+    target.write_text(f"#!{sys.executable} -S\n" + source.read_text())
     target.chmod(0o755)
 
 
@@ -186,6 +190,17 @@ class StandInHost:
     def pct(self, *args: str) -> subprocess.CompletedProcess:
         """Run the stand-in pct directly (not over ssh), e.g. to stop a container."""
         return subprocess.run([str(self.root / "bin" / "pct"), *args], check=False, capture_output=True, text=True)
+
+    def start_detached(self, ctid: int, command: str) -> int:
+        """Start `command` in the container with setsid (as a user would by hand); return its pid.
+
+        The exec returns only once the process leads its own session: before that, the end of the exec
+        session would kill it (the race gpuctl's launch closes with a handshake).
+        """
+        script = (f"setsid {command} </dev/null >/dev/null 2>&1 & p=$!; "
+                  'until [ "$(ps -o sid= -p $p | tr -d " ")" = "$p" ]; do :; done; echo $p')
+        result = self.pct("exec", str(ctid), "--", "/bin/bash", "-c", script)
+        return int(result.stdout)
 
     def container_processes(self, ctid: int) -> list[int]:
         needle = f"GPUCTL_STANDIN_CT={self.root}:{ctid}".encode() + b"\0"

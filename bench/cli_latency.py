@@ -1,0 +1,110 @@
+"""gpuctl's latency on the stand-in Proxmox host (real sshd on loopback), and the remote commands each issues.
+
+    python bench/cli_latency.py [--runs N]
+
+For launch (to verified-running, with the fake trainer so the trainer's own start-up is excluded), status and
+`logs -n 20`: the median of N runs of the command's work in-process (connect + remote commands, no interpreter
+start-up), the median wall time of the whole CLI process, and the number of SSH round trips (remote commands).
+Aim (issue 2): launch <= 1.5 s, status <= 0.5 s on loopback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from gpuctl import commands, ssh, target  # noqa: E402
+from tests.sandbox import ALIAS, StandInHost  # noqa: E402
+
+CTID = 200
+FAKE = ["fake.steps=1000000", "fake.step_s=0.05"]
+
+
+def timed_in_process(operation, flags: target.TargetFlags, runs: int, after=None) -> tuple[float, int, float]:
+    """Median seconds of connect + operation, the remote commands it issued, the median connect time."""
+    seconds, connects, trips = [], [], set()
+    for _ in range(runs):
+        start = time.perf_counter()
+        t = target.resolve(flags)
+        with commands.connected(t) as ct:
+            operation(ct, t)
+        seconds.append(time.perf_counter() - start)
+        connects.append(ssh.STATS.connect_s)
+        trips.add(ssh.STATS.remote_commands)
+        if after:
+            after(t)
+    assert len(trips) == 1, f"the number of remote commands varied: {trips}"
+    return statistics.median(seconds), trips.pop(), statistics.median(connects)
+
+
+def timed_cli(args: list[str], env: dict[str, str], runs: int, after=None) -> float:
+    seconds = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "gpuctl", *args], cwd=REPO, env=env, check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        seconds.append(time.perf_counter() - start)
+        if after:
+            after(None)
+    return statistics.median(seconds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=10)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="gpuctl-bench-") as tmp:
+        home = Path(tmp) / "home"
+        home.mkdir()
+        os.environ.update(HOME=str(home), XDG_STATE_HOME=str(home / "state"), XDG_CONFIG_HOME=str(home / "cfg"))
+        host = StandInHost(Path(tmp) / "standin").start()
+        try:
+            host.add_container(CTID)
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUCTL_", "SSH_"))}
+            env.update(PYTHONPATH=str(REPO), **host.env(CTID))
+            flags = target.TargetFlags(host=ALIAS, ct=CTID, ssh_config=str(host.ssh_config))
+            options = commands.LaunchOptions(python="fake-trainer", sets=FAKE)
+
+            def stop_run(_) -> None:
+                with commands.connected(target.resolve(flags)) as ct:
+                    commands.kill(ct, 0, "KILL", grace=5, notify=lambda _: None)
+
+            rows = []
+            launch = timed_in_process(lambda ct, t: commands.launch(ct, t, options, notify=lambda _: None), flags,
+                                      args.runs, after=stop_run)
+            launch_cli = timed_cli(["launch", "--python", "fake-trainer", *sum((["--set", s] for s in FAKE), [])],
+                                   env, args.runs, after=stop_run)
+            rows.append(("launch (to verified running)", launch, launch_cli))
+            # A running run for status and logs to read.
+            with commands.connected(target.resolve(flags)) as ct:
+                commands.launch(ct, target.resolve(flags), options, notify=lambda _: None)
+            time.sleep(2)  # let the fake trainer write a few dozen log lines and metrics records
+            status = timed_in_process(lambda ct, t: commands.status(ct), flags, args.runs)
+            rows.append(("status", status, timed_cli(["status"], env, args.runs)))
+            logs = timed_in_process(lambda ct, t: commands.print_log(ct, 0, 20, lambda _: None), flags, args.runs)
+            rows.append(("logs -n 20", logs, timed_cli(["logs", "-n", "20"], env, args.runs)))
+            stop_run(None)
+            start = time.perf_counter()
+            subprocess.run([sys.executable, "-c", "import gpuctl.cli"], cwd=REPO, check=True)
+            import_s = time.perf_counter() - start
+        finally:
+            host.stop()
+
+    print(f"gpuctl on the stand-in host (sshd on 127.0.0.1), median of {args.runs} runs each")
+    print(f"{'command':<30} {'in-process':>11} {'CLI wall':>9} {'remote cmds':>12} {'connect':>8}")
+    for name, (seconds, trips, connect), cli_s in rows:
+        print(f"{name:<30} {seconds:>9.3f} s {cli_s:>7.3f} s {trips:>12d} {connect * 1000:>5.0f} ms")
+    print(f"{'(python -c import gpuctl.cli)':<30} {'':>11} {import_s:>7.3f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""The core's pure parts, without a host: target resolution, script rendering, run states, remote output."""
+
+from __future__ import annotations
+
+import jinja2
+import pytest
+
+from gpuctl import scripts, target
+from gpuctl.container import parse_sections
+from gpuctl.errors import ExitCode, GpuctlError
+from gpuctl.runs import Run, State, parse_progress, parse_run_ref, parse_signal
+
+
+@pytest.fixture
+def xdg(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    return tmp_path
+
+
+def write_config(xdg, text: str) -> None:
+    (xdg / "config" / "gpuctl").mkdir(parents=True)
+    (xdg / "config" / "gpuctl" / "config.toml").write_text(text)
+
+
+def test_resolution_order_flag_env_remembered_config(xdg):
+    write_config(xdg, 'host = "cfg-host"\nct = 300\nuser = "cfg-user"\nport = 2200\n')
+    assert target.resolve(target.TargetFlags(), env={}) == target.Target(host="cfg-host", ct=300, user="cfg-user",
+                                                                          port=2200)
+    target.remember(target.Target(host="cfg-host", ct=301, user="launch-user"))
+    remembered = target.resolve(target.TargetFlags(), env={})
+    assert (remembered.ct, remembered.user, remembered.port) == (301, "launch-user", 2200)
+    from_env = target.resolve(target.TargetFlags(), env={"GPUCTL_CT": "302", "GPUCTL_USER": "env-user"})
+    assert (from_env.ct, from_env.user) == (302, "env-user")
+    from_flag = target.resolve(target.TargetFlags(ct=303), env={"GPUCTL_CT": "302"})
+    assert from_flag.ct == 303
+    # Another host: the remembered container is not carried over to it, the config's still is.
+    elsewhere = target.resolve(target.TargetFlags(host="other"), env={})
+    assert (elsewhere.host, elsewhere.ct) == ("other", 300)
+
+
+def test_positional_target(xdg):
+    t = target.resolve(target.TargetFlags(target="me@pve1:2222/205"), env={})
+    assert (t.user, t.host, t.port, t.ct) == ("me", "pve1", 2222, 205)
+    assert target.resolve(target.TargetFlags(target="[::1]/205"), env={}).host == "::1"
+    with pytest.raises(GpuctlError, match="TARGET says ct 205 but --ct says 206"):
+        target.resolve(target.TargetFlags(target="pve1/205", ct=206), env={})
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"GPUCTL_HOST": "h", "GPUCTL_CT": "x"}, "GPUCTL_CT: container id must be a number"),
+    ({"GPUCTL_HOST": "h", "GPUCTL_CT": "200", "GPUCTL_PORT": "0"}, "GPUCTL_PORT: port must be"),
+    ({"GPUCTL_CT": "200"}, "no host"),
+])
+def test_bad_target_values_are_usage_errors(xdg, env, message):
+    with pytest.raises(GpuctlError, match=message) as e:
+        target.resolve(target.TargetFlags(), env=env)
+    assert e.value.code == ExitCode.USAGE
+
+
+def test_broken_config_file_is_a_usage_error(xdg):
+    write_config(xdg, "host = [unterminated\n")
+    with pytest.raises(GpuctlError, match="cannot read .*config.toml") as e:
+        target.resolve(target.TargetFlags(host="h", ct=200), env={})
+    assert e.value.code == ExitCode.USAGE
+
+
+def test_scripts_quote_every_value_and_refuse_missing_ones():
+    rendered = scripts.render("run.sh", stage_dir="/root/gpuctl", workdir="/w d", python="py",
+                              config="a'b", sets=["k=$(x)"])
+    assert "cd '/w d'" in rendered
+    assert "--config 'a'\"'\"'b' --set 'k=$(x)'" in rendered
+    with pytest.raises(jinja2.UndefinedError):
+        scripts.render("run.sh", stage_dir="/root/gpuctl")
+    with pytest.raises(TypeError):
+        scripts.shquote(None)
+
+
+def test_parse_sections_round_trips_any_bytes():
+    data = b"noise\n@@now 4\n12.5\n@@rest 9\n@@x 3\nab\n\n@@empty 0\n\n"
+    assert parse_sections(data) == [("now", b"12.5"), ("rest", b"@@x 3\nab\n"), ("empty", b"")]
+
+
+def run_with(record: dict, alive: bool) -> Run:
+    return Run(number=1, record=record, alive=alive)
+
+
+@pytest.mark.parametrize("record, alive, state", [
+    ({}, True, State.STARTING),
+    ({"pid": 5}, True, State.RUNNING),
+    ({"pid": 5, "exit_code": 0}, False, State.SUCCEEDED),
+    ({"pid": 5, "exit_code": 2}, False, State.FAILED),
+    ({"pid": 5, "exit_code": 0, "killed_signal": "TERM"}, False, State.KILLED),
+    ({"pid": 5}, False, State.LOST),
+    ({"pid": 5, "killed_signal": "KILL"}, False, State.KILLED),
+])
+def test_run_states(record, alive, state):
+    assert run_with(record, alive).state == state
+
+
+def test_progress_and_eta_from_the_metrics_lines():
+    first = b'{"step": 0, "total_steps": 100, "time": 1000.0}'
+    last = b'{"step": 10, "total_steps": 100, "time": 1020.0, "loss": 1.5, "tokens_per_s": 900.0}'
+    progress = parse_progress(first, last, active=True)
+    assert (progress.step, progress.loss, progress.tokens_per_s, progress.eta_s) == (10, 1.5, 900.0, 180.0)
+    assert parse_progress(first, last, active=False).eta_s is None
+    assert parse_progress(first, b'{"step": 1', active=True) is None  # a line caught half-written
+    assert parse_progress(None, None, active=True) is None
+
+
+def test_run_refs_and_signals():
+    assert (parse_run_ref(None), parse_run_ref("7"), parse_run_ref("tl12")) == (0, 7, 12)
+    assert [parse_signal(s) for s in ("term", "SIGINT", "9")] == ["TERM", "INT", "KILL"]
+    for bad in ("tl0", "x", "-1"):
+        with pytest.raises(GpuctlError):
+            parse_run_ref(bad)

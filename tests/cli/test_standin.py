@@ -1,0 +1,81 @@
+"""The stand-in host behaves like the Proxmox host the tests stand for (DESIGN §3-4), through real ssh."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+from tenacity import retry, stop_after_delay, wait_fixed
+
+
+def ssh(standin, command: str) -> subprocess.CompletedProcess:
+    """OpenSSH's own client, with HOME in the stand-in's dir: the user's ~/.ssh stays out of it."""
+    env = {"PATH": os.environ["PATH"], "HOME": str(standin.root / "home")}
+    return subprocess.run(["ssh", "-F", str(standin.ssh_config), "-o", "BatchMode=yes", "gpuctl-standin", command],
+                          capture_output=True, text=True, timeout=60, check=False, env=env)
+
+
+def test_pct_list_status_and_errors(standin, ctid):
+    listed = ssh(standin, "pct list")
+    assert listed.returncode == 0
+    assert listed.stdout.splitlines()[0].split() == ["VMID", "Status", "Lock", "Name"]
+    assert any(line.split()[:2] == [str(ctid), "running"] for line in listed.stdout.splitlines())
+    assert ssh(standin, f"pct status {ctid}").stdout == "status: running\n"
+
+    missing = ssh(standin, "pct exec 999 -- true")
+    assert missing.returncode == 255
+    assert missing.stderr.strip() == "Configuration file 'nodes/pve/lxc/999.conf' does not exist"
+    assert ssh(standin, f"pct stop {ctid}").returncode == 0
+    stopped = ssh(standin, f"pct exec {ctid} -- true")
+    assert (stopped.returncode, stopped.stderr.strip()) == (255, f"container '{ctid}' not running!")
+    assert ssh(standin, f"pct start {ctid}").returncode == 0
+
+
+def test_pct_exec_sees_the_container_and_passes_the_exit_code(standin, ctid):
+    standin.path_in(ctid, "/workspace/marker").write_text("mine\n")
+    result = ssh(standin, f"pct exec {ctid} -- /bin/bash -c 'cat /workspace/marker; echo $PATH; exit 7'")
+    assert result.returncode == 7
+    marker, path = result.stdout.splitlines()
+    assert marker == "mine"
+    assert path.endswith(":/sbin:/bin:/usr/sbin:/usr/bin")
+    script = ssh(standin, f"pct exec {ctid} -- /bin/bash -s <<'EOF'\necho from-stdin > /tmp/x\nEOF")
+    assert script.returncode == 0
+    assert standin.path_in(ctid, "/tmp/x").read_text() == "from-stdin\n"
+
+
+def test_pct_push_and_pull(standin, ctid, tmp_path):
+    src = tmp_path / "in.txt"
+    src.write_text("payload")
+    assert ssh(standin, f"pct push {ctid} {src} /workspace/in.txt").returncode == 0
+    assert standin.path_in(ctid, "/workspace/in.txt").read_text() == "payload"
+    assert ssh(standin, f"pct pull {ctid} /workspace/in.txt {tmp_path}/out.txt").returncode == 0
+    assert (tmp_path / "out.txt").read_text() == "payload"
+
+
+@retry(stop=stop_after_delay(10), wait=wait_fixed(0.1), reraise=True)
+def processes_become(standin, ctid, expected: int) -> None:
+    assert len(standin.container_processes(ctid)) == expected
+
+
+def test_only_setsid_with_redirected_streams_survives_the_exec(standin, ctid):
+    """The failure that motivated gpuctl: `nohup ... &` dies with the exec session; setsid survives."""
+    ssh(standin, f"pct exec {ctid} -- /bin/bash -c 'nohup sleep 300 >/dev/null 2>&1 &'")
+    processes_become(standin, ctid, 0)
+    pid = standin.start_detached(ctid, "sleep 300")
+    processes_become(standin, ctid, 1)
+    assert standin.container_processes(ctid) == [pid]
+    standin.kill_container_processes(ctid)
+
+
+@pytest.mark.parametrize("fmt, expected", [
+    ("csv,noheader,nounits", "0, NVIDIA H200, 97, 81234, 143771"),
+    ("csv", "index, name, utilization.gpu [%], memory.used [MiB], memory.total [MiB]"),
+])
+def test_nvidia_smi_query(standin, ctid, fmt, expected):
+    query = "index,name,utilization.gpu,memory.used,memory.total"
+    result = ssh(standin, f"pct exec {ctid} -- nvidia-smi --query-gpu={query} --format={fmt}")
+    assert result.stdout.splitlines()[0] == expected
+    standin.set_gpus(ctid, [])
+    none = ssh(standin, f"pct exec {ctid} -- nvidia-smi")
+    assert (none.returncode, none.stdout.strip()) == (6, "No devices were found")

@@ -1,0 +1,46 @@
+"""gpuctl with the real trainer (training/, tiny preset, CPU) in a stand-in container: the demo's path."""
+
+from __future__ import annotations
+
+import pytest
+from tenacity import retry, stop_after_delay, wait_fixed
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.skipif(not (REPO / "training" / "train.py").exists(),
+                                reason="the trainer (training/train.py) is not in this checkout yet")
+
+
+def test_tiny_preset_end_to_end(gpuctl):
+    result = gpuctl("launch", "--config", "tiny", "--follow", timeout=600)
+    assert result.code == 0, result.stderr[-3000:]
+    assert "started tl1" in result.stderr and "tl1 ended: succeeded, exit 0" in result.stderr
+    assert "step 60/60" in result.stdout
+    assert result.stdout == gpuctl.path("/workspace/train_tl1.log").read_text()
+    doc = gpuctl.status()
+    assert (doc["state"], doc["exit_code"]) == ("succeeded", 0)
+    assert (doc["progress"]["step"], doc["progress"]["total_steps"]) == (60, 60)
+    assert doc["progress"]["loss"] > 0
+    assert gpuctl.path("/workspace/runs/tiny").is_dir()  # the trainer ran in --workdir
+
+
+def test_kill_lets_the_trainer_checkpoint_and_exit(gpuctl):
+    """SIGTERM reaches the trainer once: it finishes its step, saves a checkpoint and exits 0."""
+    launched = gpuctl("launch", "--config", "tiny", "--set", "max_steps=100000", "--set", "eval_every=0",
+                      "--set", "log_every=2", "--json")
+    assert launched.code == 0, launched.stderr
+
+    @retry(stop=stop_after_delay(120), wait=wait_fixed(0.5), reraise=True)
+    def training() -> None:
+        progress = gpuctl.status()["progress"]
+        assert progress and progress["step"] >= 4
+
+    training()
+    killed = gpuctl("kill", "--grace", "60")
+    assert killed.code == 0, killed.stderr
+    assert "SIGKILL" not in killed.stdout
+    doc = gpuctl.status()
+    assert (doc["state"], doc["exit_code"]) == ("killed", 0)
+    log = gpuctl("logs").stdout
+    assert "received SIGTERM" in log
+    assert list(gpuctl.path("/workspace/runs/tiny").rglob("*")), "no checkpoint written"
