@@ -22,8 +22,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from gpuctl import commands, ssh, target  # noqa: E402
-from tests.sandbox import ALIAS, StandInHost  # noqa: E402
+from gpuctl import commands, ssh, target
+from tests.sandbox import ALIAS, StandInHost
 
 CTID = 200
 FAKE = ["fake.steps=1000000", "fake.step_s=0.05"]
@@ -81,8 +81,8 @@ def main() -> None:
             rows = []
             launch = timed_in_process(lambda ct, t: commands.launch(ct, t, options, notify=lambda _: None), flags,
                                       args.runs, after=stop_run)
-            launch_cli = timed_cli(["launch", "--python", "fake-trainer", *sum((["--set", s] for s in FAKE), [])],
-                                   env, args.runs, after=stop_run)
+            sets = [arg for item in FAKE for arg in ("--set", item)]
+            launch_cli = timed_cli(["launch", "--python", "fake-trainer", *sets], env, args.runs, after=stop_run)
             rows.append(("launch (to verified running)", launch, launch_cli))
             # A running run for status and logs to read.
             with commands.connected(target.resolve(flags)) as ct:

@@ -11,7 +11,6 @@ from pathlib import Path
 from tests.conftest import REPO
 
 
-
 def tracked_files(folder: str) -> set[str]:
     """The folder's files under version control (what a fresh clone has), relative to the folder."""
     listed = subprocess.run(["git", "ls-files", folder], cwd=REPO, capture_output=True, text=True, check=True)
