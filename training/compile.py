@@ -80,6 +80,14 @@ def compile_accepts_recompile_limit() -> bool:
     return "recompile_limit" in inspect.signature(torch.compile).parameters
 
 
+def as_device(device: torch.device | str | int) -> torch.device:
+    """An int is a CUDA index; a bare "cuda" is the current CUDA device (tensors always carry an index)."""
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def fx_tracing_flag() -> bool:
     return bool(fx_symbolic_trace._is_fx_tracing_flag)
 
@@ -196,10 +204,10 @@ class SharedFlexAttention:
         attention_fn: Callable = flex_attention,
     ) -> None:
         self.shapes = tuple(shapes)
-        self.devices = tuple(torch.device(d) if not isinstance(d, int) else torch.device("cuda", d) for d in devices)
+        self.devices = tuple(dict.fromkeys(as_device(d) for d in devices))
         self.dtype = dtype
         self.grad_modes = tuple(dict.fromkeys(grad_modes))
-        self.entries_needed = len(set(self.devices)) * len(self.shapes) * len(self.grad_modes)
+        self.entries_needed = len(self.devices) * len(self.shapes) * len(self.grad_modes)
         self.recompile_limit = recompile_limit if recompile_limit is not None else self.entries_needed + slack
         if limit_via == "auto":
             limit_via = "compile_kwarg" if compile_accepts_recompile_limit() else "thread_config"
@@ -236,7 +244,7 @@ class SharedFlexAttention:
         """Compile every shape x grad mode on `device` (forward, and backward in grad mode) under the
         process-wide lock, then wait until every thread has done the same. `block_mask_for(shape, device)`
         builds a mask like the steady-state ones; `qkv_for` makes inputs with the steady-state layout."""
-        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        device = as_device(device)
         if device not in self.devices:
             raise CompileDisciplineError(f"warm_up on {device}: this attention was sized for {self.devices}")
         try:
@@ -273,7 +281,7 @@ class SharedFlexAttention:
                     raise RecompileLimitTooSmall(
                         f"compiled flex_attention hit recompile_limit={self.recompile_limit} while warming "
                         f"{shape} grad={grad} on {device}: the discipline needs {self.entries_needed} cache "
-                        f"entries ({len(set(self.devices))} devices x {len(self.shapes)} shapes x "
+                        f"entries ({len(self.devices)} devices x {len(self.shapes)} shapes x "
                         f"{len(self.grad_modes)} grad modes) plus slack"
                     ) from error
                 raise

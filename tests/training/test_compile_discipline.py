@@ -319,6 +319,9 @@ def test_a_recompile_past_the_shape_check_fails_loudly_after_warmup():
     outcome: dict[str, BaseException] = {}
 
     def worker(index: int) -> None:
+        if index == 1:  # arrive last, so the barrier action (the stance) runs in this thread, not thread 0
+            while attention._barrier.n_waiting < 1:
+                time.sleep(0.01)
         attention.warm_up("cpu", warmup_block_mask, projected_qkv)
         if index == 0:
             q, k, _ = projected_qkv(SHAPES[0], torch.device("cpu"), torch.float32, False)
