@@ -279,7 +279,7 @@ class SharedFlexAttention:
             except Exception as error:
                 if _is_recompile_limit_hit(error):
                     raise RecompileLimitTooSmall(
-                        f"compiled flex_attention hit recompile_limit={self.recompile_limit} while warming "
+                        f"compiled flex_attention hit recompile_limit={self._limit_in_force()} while warming "
                         f"{shape} grad={grad} on {device}: the discipline needs {self.entries_needed} cache "
                         f"entries ({len(self.devices)} devices x {len(self.shapes)} shapes x "
                         f"{len(self.grad_modes)} grad modes) plus slack"
@@ -302,6 +302,11 @@ class SharedFlexAttention:
         out = self._call_compiled(q, k, v, block_mask)
         if grad:
             out.sum().backward()  # inductor compiles the backward lazily: make it happen now
+
+    def _limit_in_force(self) -> int:
+        if self.limit_via == "compile_kwarg":
+            return self.recompile_limit
+        return int(torch._dynamo.config.recompile_limit)  # this thread's view of the config
 
     def _limit_recompiles_in_this_thread(self) -> None:
         """Dynamo config is per thread since torch 2.12 (global before): set it in each calling thread."""
