@@ -10,8 +10,9 @@ watchdog, reported, and makes the script exit non-zero, like any run that breaks
 --undisciplined is the negative control: the seed's torch.compile(flex_attention, dynamic=False) with the
 default recompile limit, no fullgraph, no warm-up lock, no stance (a barrier only marks "after warm-up").
 
-  python bench/compile_race.py --devices 0,1 --threads-per-device 1 --repeat 5
+  python bench/compile_race.py --devices 0,1 --threads-per-device 1 --repeat 5    # 2 x 3 x 2 = 12 entries
   python bench/compile_race.py --devices 0 --threads-per-device 4 --contexts 512,1024,1536,2048,3072 --repeat 5
+  python bench/compile_race.py --devices 0,1 --undisciplined --watchdog-s 90 --repeat 3   # negative control
   python bench/compile_race.py --devices cpu --modes forward --backend aot_eager --heads 2 --kv-heads 2 \
       --head-dim 16 --blocks 2 --contexts 32,64,96,128,160 --steps 5          # a CPU smoke run
 """

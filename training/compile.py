@@ -132,8 +132,10 @@ class CallAudit:
 
     def __init__(self, fn: Callable) -> None:
         self._eager_code = inspect.unwrap(fn).__code__
-        # dynamo wraps Tracer.trace in its `disable` decorator on first use: watch the function inside
-        self._trace_code = inspect.unwrap(torch.fx.Tracer.trace).__code__
+        # dynamo wraps Tracer.trace in its `disable` decorator: watch the function inside, never the wrapper
+        # (whose code every disabled function shares); if it cannot be told apart, FX traces go uncounted.
+        trace = inspect.unwrap(torch.fx.Tracer.trace).__code__
+        self._trace_code = trace if trace.co_filename.endswith("_symbolic_trace.py") else None
         self._lock = threading.Lock()
         self.eager_runs = 0
         self.fx_traces = 0
