@@ -35,26 +35,26 @@ app = typer.Typer(
 TARGET_HELP = "Target options"
 # The target options every command accepts (DESIGN §2); with_target adds them to each command.
 TARGET_PARAMS = [
-    ("host", Annotated[str | None, typer.Option(help="Proxmox host: address, name or ~/.ssh/config alias "
+    ("host", Annotated[str | None, typer.Option(metavar="HOST", help="Proxmox host: address, name or ~/.ssh/config alias "
                                                         "[env GPUCTL_HOST]", rich_help_panel=TARGET_HELP)]),
-    ("port", Annotated[int | None, typer.Option(help="SSH port [env GPUCTL_PORT; default 22]",
+    ("port", Annotated[int | None, typer.Option(metavar="N", help="SSH port [env GPUCTL_PORT; default 22]",
                                                    rich_help_panel=TARGET_HELP)]),
-    ("user", Annotated[str | None, typer.Option(help="SSH user [env GPUCTL_USER; default root]",
+    ("user", Annotated[str | None, typer.Option(metavar="USER", help="SSH user [env GPUCTL_USER; default root]",
                                                    rich_help_panel=TARGET_HELP)]),
-    ("identity", Annotated[str | None, typer.Option(help="private key file [env GPUCTL_IDENTITY]",
+    ("identity", Annotated[str | None, typer.Option(metavar="PATH", help="private key file [env GPUCTL_IDENTITY]",
                                                        rich_help_panel=TARGET_HELP)]),
-    ("ct", Annotated[int | None, typer.Option(help="container id [env GPUCTL_CT]",
+    ("ct", Annotated[int | None, typer.Option(metavar="CTID", help="container id [env GPUCTL_CT]",
                                                  rich_help_panel=TARGET_HELP)]),
-    ("ssh_config", Annotated[str | None, typer.Option(help="ssh_config file [env GPUCTL_SSH_CONFIG; default "
+    ("ssh_config", Annotated[str | None, typer.Option(metavar="PATH", help="ssh_config file [env GPUCTL_SSH_CONFIG; default "
                                                               "~/.ssh/config]", rich_help_panel=TARGET_HELP)]),
-    ("accept_new_host_key", Annotated[bool, typer.Option(help="record an unknown host's key in known_hosts",
+    ("accept_new_host_key", Annotated[bool, typer.Option("--accept-new-host-key", help="record an unknown host's key in known_hosts",
                                                          rich_help_panel=TARGET_HELP)]),
-    ("connect_timeout", Annotated[float | None, typer.Option(help="seconds to wait for the host [default 10]",
+    ("connect_timeout", Annotated[float | None, typer.Option(metavar="SECONDS", help="seconds to wait for the host [default 10]",
                                                                 rich_help_panel=TARGET_HELP)]),
 ]
-TargetArg = Annotated[str | None, typer.Argument(help="[USER@]HOST[:PORT][/CTID], instead of the options",
+TargetArg = Annotated[str | None, typer.Argument(metavar="TARGET", help="[USER@]HOST[:PORT][/CTID], instead of the options",
                                                     show_default=False)]
-RunOpt = Annotated[str | None, typer.Option("--run", help="run number (7 or tl7); default: the latest")]
+RunOpt = Annotated[str | None, typer.Option("--run", metavar="N", help="run number (7 or tl7); default: the latest")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON document on stdout, nothing else there")]
 
 
@@ -80,18 +80,18 @@ def with_target(func: Callable) -> Callable:
 @with_target
 def launch(
     flags: TargetFlags,
-    config: Annotated[str, typer.Option(help="trainer preset name, or a config file (a local file is "
+    config: Annotated[str, typer.Option(metavar="PRESET|PATH", help="trainer preset name, or a config file (a local file is "
                                              "staged)")] = "tiny",
-    set_: Annotated[list[str] | None, typer.Option("--set", help="override a config value: KEY=VALUE "
+    set_: Annotated[list[str] | None, typer.Option("--set", metavar="KEY=VALUE", help="override a config value: KEY=VALUE "
                                                                     "(repeatable)")] = None,
-    python: Annotated[str, typer.Option(help="Python interpreter in the container")] = "python3",
-    workdir: Annotated[str, typer.Option(help="the run's working directory in the container")] = "/workspace",
-    log_dir: Annotated[str, typer.Option(help="where train_tlN.log goes in the container")] = "/workspace",
-    keep_compile_cache: Annotated[bool, typer.Option(help="keep /tmp/torchinductor_root")] = False,
-    replace: Annotated[bool, typer.Option(help="kill the active run first instead of refusing")] = False,
+    python: Annotated[str, typer.Option(metavar="PATH", help="Python interpreter in the container")] = "python3",
+    workdir: Annotated[str, typer.Option(metavar="DIR", help="the run's working directory in the container")] = "/workspace",
+    log_dir: Annotated[str, typer.Option(metavar="DIR", help="where train_tlN.log goes in the container")] = "/workspace",
+    keep_compile_cache: Annotated[bool, typer.Option("--keep-compile-cache", help="keep /tmp/torchinductor_root")] = False,
+    replace: Annotated[bool, typer.Option("--replace", help="kill the active run first instead of refusing")] = False,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="stream the log until the run ends; exit "
                                                                 "with its outcome")] = False,
-    dry_run: Annotated[bool, typer.Option(help="print what would run, run nothing")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="print what would run, run nothing")] = False,
     json_: JsonOpt = False,
 ) -> int:
     """Start a training run in the container, detached; print its id, pid and log."""
@@ -168,8 +168,8 @@ def runs(flags: TargetFlags, json_: JsonOpt = False) -> int:
 def kill(
     flags: TargetFlags,
     run: RunOpt = None,
-    signal: Annotated[str, typer.Option(help="first signal: TERM, INT, HUP, QUIT, USR1, USR2 or KILL")] = "TERM",
-    grace: Annotated[float, typer.Option(help="seconds to wait before SIGKILL", min=0)] = 30.0,
+    signal: Annotated[str, typer.Option(metavar="NAME", help="first signal: TERM, INT, HUP, QUIT, USR1, USR2 or KILL")] = "TERM",
+    grace: Annotated[float, typer.Option(metavar="SECONDS", help="seconds to wait before SIGKILL", min=0)] = 30.0,
 ) -> int:
     """Signal a run's whole process group, escalate to SIGKILL after --grace, check nothing is left."""
     number, signal_name = parse_run_ref(run), parse_signal(signal)

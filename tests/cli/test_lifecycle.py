@@ -155,6 +155,18 @@ def test_kill_escalates_and_leaves_no_process_of_the_run(gpuctl, standin, ctid):
     os.kill(bystander_pid, signal.SIGKILL)
 
 
+def test_kill_delivers_the_signal_once_and_records_a_graceful_exit(gpuctl):
+    gpuctl.launch_fake(*LONG, "term_exit=0", "child=1")
+    wait_for_state(gpuctl, "running")
+    result = gpuctl("kill", "--grace", "10")
+    assert result.code == 0 and "SIGKILL" not in result.stdout
+    log = gpuctl("logs").stdout
+    assert "got SIGTERM #1" in log and "#2" not in log  # group signalled once, the wrapper passes nothing on
+    assert log.rstrip().endswith("stopping at a step boundary")
+    doc = gpuctl.status()
+    assert (doc["state"], doc["exit_code"]) == ("killed", 0)
+
+
 def test_kill_with_nothing_running(gpuctl):
     assert gpuctl("kill").code == 0  # no runs at all
     gpuctl("launch", "--python", "fake-trainer", "--set", "fake.steps=1", "--follow")

@@ -6,6 +6,7 @@ per step. Behaviour comes from `--set fake.KEY=VALUE`:
   fake.steps=N (5)       fake.step_s=SECONDS (0.05)   fake.exit=CODE (0)
   fake.child=1           spawn a child (and it a grandchild) that stay in the run's process group
   fake.ignore_term=1     ignore SIGTERM (so `gpuctl kill` must escalate to SIGKILL)
+  fake.term_exit=CODE    on SIGTERM print "got SIGTERM #N" (N counts them), finish the step, exit CODE
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ def main(argv: list[str]) -> int:
     steps, step_s, code = int(opts.get("steps", 5)), float(opts.get("step_s", 0.05)), int(opts.get("exit", 0))
     if opts.get("ignore_term") == "1":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    terms = []
+    if "term_exit" in opts:
+        def on_term(signum, frame):
+            terms.append(signum)
+            print(f"got SIGTERM #{len(terms)}", flush=True)
+        signal.signal(signal.SIGTERM, on_term)
     if opts.get("child") == "1":
         # A child that itself starts a grandchild: both must die with the run.
         subprocess.Popen(["/bin/sh", "-c", "sleep 300 & exec sleep 301"])
@@ -41,6 +48,9 @@ def main(argv: list[str]) -> int:
     start = time.time()
     for step in range(1, steps + 1):
         time.sleep(step_s)
+        if terms:
+            print("stopping at a step boundary", flush=True)
+            return int(opts["term_exit"])
         loss = 10.0 / step
         print(f"step {step}/{steps} loss {loss:.4f}", flush=True)
         if metrics:
