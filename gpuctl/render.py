@@ -103,7 +103,8 @@ def _run_grid(run: Run) -> Table:
     pid = run.record.get("pid")
     grid.add_row("pid", f"{pid} (process group {run.record.get('pgid')})" if pid else "-")
     started = local_time(run.started_at)
-    grid.add_row("started", f"{started}, {duration(run.elapsed_s)} {'ago' if run.state.active else 'long'}")
+    elapsed = f"{duration(run.elapsed_s)} ago" if run.state.active else f"ran {duration(run.elapsed_s)}"
+    grid.add_row("started", f"{started}, {elapsed}")
     grid.add_row("log", f"{run.log_path} ({size(run.log_size)})")
     grid.add_row("progress", progress_text(run))
     grid.add_row("config", str(run.record.get("config", "-")))

@@ -19,3 +19,4 @@ if command -v gpuctl >/dev/null 2>&1; then gpuctl=(gpuctl); else gpuctl=(python3
 set -x
 "${gpuctl[@]}" launch --config tiny --follow
 "${gpuctl[@]}" status
+set +x
