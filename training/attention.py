@@ -17,9 +17,16 @@ from training.mask import build_block_mask, dense_mask
 _compiled_flex = None
 
 
+def use_shared_flex_attention(shared) -> None:
+    """Route every flex call of this process through `shared`, a training/compile.py SharedFlexAttention (the
+    threaded trainer's one compiled flex_attention, warmed per device before steady state); None undoes it."""
+    global _compiled_flex
+    _compiled_flex = shared
+
+
 def compiled_flex_attention():
-    """The process's one compiled flex_attention (fixed shapes, whole graph or a loud error)."""
-    # TODO(issue 4): return training/compile.py's SharedFlexAttention once it lands; this is the only caller.
+    """The process's one compiled flex_attention (fixed shapes, whole graph or a loud error): the shared one
+    when the trainer installed it, else a plain compiled one (single-threaded use: tests, benchmarks)."""
     global _compiled_flex
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False, fullgraph=True)

@@ -36,7 +36,8 @@ class TrainConfig:
 
     # Optimisation (the paper's recipe by default).
     max_steps: int = 1000
-    batch_size: int = 1
+    batch_size: int = 1  # sequences per optimizer step (the global batch)
+    micro_batch_size: int = 0  # sequences per micro-batch through the pipeline; 0 = batch_size
     lr: float = 6e-4
     warmup_ratio: float = 0.04
     weight_decay: float = 0.0
@@ -59,6 +60,7 @@ class TrainConfig:
     dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on the CPU
     attention: str = "auto"  # auto = flex on CUDA, sdpa on the CPU
     num_threads: int = 0  # torch CPU threads; 0 = torch's default
+    queue_depth: int = 4  # micro-batches between target and drafter threads at most (targets run ahead)
 
     # Logging, checkpoints, evaluation.
     log_every: int = 10
@@ -71,13 +73,17 @@ class TrainConfig:
     def validate(self) -> "TrainConfig":
         """Check values beyond their types; returns self."""
         positive = ("max_steps", "batch_size", "max_length", "block_size", "num_anchors", "num_draft_layers",
-                    "loss_chunk_size", "log_every", "save_every", "keep_checkpoints", "eval_new_tokens")
+                    "loss_chunk_size", "log_every", "save_every", "keep_checkpoints", "eval_new_tokens",
+                    "queue_depth")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("eval_every", "eval_prompts", "num_threads", "weight_decay", "seed"):
+        for name in ("eval_every", "eval_prompts", "num_threads", "weight_decay", "seed", "micro_batch_size"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.batch_size % self.micro_batch_rows():
+            raise ConfigError(f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size "
+                              f"({self.micro_batch_size})")
         if not self.lr > 0:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
         if not 0 <= self.warmup_ratio < 1:
@@ -107,6 +113,13 @@ class TrainConfig:
             if not getattr(self, name):
                 raise ConfigError(f"{name} is not set (use --set {name}=...)")
         return self
+
+    def micro_batch_rows(self) -> int:
+        """Sequences per micro-batch."""
+        return self.micro_batch_size or self.batch_size
+
+    def micro_batches_per_step(self) -> int:
+        return self.batch_size // self.micro_batch_rows()
 
     def buckets(self) -> list[int]:
         return list(self.length_buckets) or [self.max_length]

@@ -2,8 +2,9 @@
 
 The JSON goes to $GPUCTL_METRICS when set, else <output_dir>/metrics.jsonl. Every record has `step`,
 `total_steps` and `time` (Unix seconds) and `elapsed_s`; training records add `loss`, `lr`, `tokens_per_s`
-(real target tokens per second over the logging window), `accuracy` and `grad_norm`; evaluations add
-`acceptance_length`.
+(real target tokens per second over the logging window), `accuracy`, `grad_norm`, and from the pipeline
+`busy` (each thread's busy fraction of the window) and `queue_depth` (`mean`, `max`, `bound`); evaluations
+add `acceptance_length`.
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ def format_progress(record: dict) -> str:
     formats = {"loss": "loss {:.4f}", "accuracy": "acc {:.3f}", "lr": "lr {:.2e}", "grad_norm": "grad {:.3f}",
                "tokens_per_s": "tok/s {:.0f}", "acceptance_length": "tau {:.3f}"}
     parts += [fmt.format(record[key]) for key, fmt in formats.items() if record.get(key) is not None]
+    if record.get("busy"):  # the pipeline's threads: busy fraction of the window, and the queue between them
+        busy = " ".join(f"{name} {fraction:.0%}" for name, fraction in record["busy"].items())
+        parts.append(f"busy {busy}")
+    if record.get("queue_depth"):
+        parts.append("queue {mean:.1f}/{bound} max {max}".format(**record["queue_depth"]))
     parts.append(f"{record['elapsed_s']:.1f}s")
     return "  ".join(parts)
 

@@ -1,21 +1,22 @@
-"""The threaded training pipeline: target threads turn micro-batches into features, drafter threads train on them.
+"""The threaded training pipeline: target threads turn micro-batches into features, drafter threads train.
 
-One process, one thread per device entry. Target threads each own a frozen target replica; drafter threads each
-own a drafter replica and its optimizer. A global step is `micro_batches_per_step` micro-batches; every drafter
-accumulates the gradients of the micro-batches it took (each loss scaled by 1/M), then at the step boundary the
-gradients are summed across replicas (NCCL through torch.cuda.comm on distinct GPUs, a plain sum otherwise),
-clipped once, and every replica steps its own optimizer on the same gradients, so replicas stay bit-identical.
+One process, one thread per device entry. Each target thread owns a frozen target replica; each drafter
+thread owns a drafter replica and its optimizer. A global step is M = `micro_batches_per_step` micro-batches;
+every drafter accumulates the gradients of the micro-batches it took (each loss scaled by 1/M), then at the
+step boundary the gradients are summed across replicas (NCCL through torch.cuda.comm on distinct GPUs, a
+plain sum otherwise), clipped once, and every replica steps its own optimizer on the same gradients, so the
+replicas stay bit-identical.
 
 What keeps it correct:
-- Order: micro-batch n of the source belongs to step start + n // M, index n % M, whichever thread computes it.
-  Drafters claim a step's indices in order, so with one drafter the accumulation order is fixed too.
+- Order: micro-batch n of the source belongs to step start + n // M, index n % M, whichever thread computes
+  it. Drafters claim a step's indices in order, so with one drafter the accumulation order is fixed too.
 - Bounded: at most `queue_depth` micro-batches live between a target's claim and a drafter's take; targets may
   run ahead into later steps within that bound, drafters never start step g+1 before their step g update.
-- Streams: on CUDA each thread works on its own stream and synchronizes it at the end of every busy span; tensors
-  cross threads only after that, and each consumer holds them until its own stream has synchronized.
-- Stop: an exception in any thread aborts every wait and ends every thread; `run` raises `PipelineError` with that
-  thread's error and traceback. A requested stop (SIGTERM, SIGINT) ends at a step boundary: the current step
-  finishes if all its micro-batches were already done, otherwise it is dropped.
+- Streams: on CUDA each thread works on its own stream and synchronizes it at the end of every busy span;
+  tensors cross threads only after that, and each consumer holds them until its own stream has synchronized.
+- Stop: an exception in any thread aborts every wait and ends every thread; `run` raises `PipelineError` with
+  that thread's error and traceback. A requested stop (SIGTERM, SIGINT) ends at a step boundary: the current
+  step finishes if all its micro-batches were already done, otherwise it is dropped.
 - Compile discipline: each thread calls its worker's optional `warm_up()` on its own device, then every thread
   meets at one barrier before steady state (no thread works while another may still be compiling).
 """
@@ -36,7 +37,7 @@ import torch
 
 # How long a blocked wait sleeps before re-checking the stop flags (waits are also woken on every change).
 _POLL_S = 0.5
-# Gradient buckets for the NCCL reduce/broadcast: large enough that a 1 B-parameter drafter is a few hundred calls.
+# Gradient buckets for the NCCL reduce/broadcast: a 1 B-parameter drafter is then a few dozen calls.
 _COMM_BUCKET_BYTES = 256 * 2**20
 
 
@@ -79,7 +80,7 @@ class StepReport:
     step: int  # steps completed, this one included
     loss: float  # mean micro-batch loss of the step
     grad_norm: float  # total gradient norm before clipping
-    metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the loss's companions, averaged alike
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # loss companions, averaged alike
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,10 +107,6 @@ class Utilisation:
             },
         }
 
-    def summary(self) -> str:
-        busy = " ".join(f"{name} {fraction:.0%}" for name, fraction in self.busy.items())
-        return f"busy {busy} | queue {self.queue_depth_mean:.1f}/{self.queue_bound} max {self.queue_depth_max}"
-
 
 class PipelineError(RuntimeError):
     """A pipeline thread failed (or the pipeline stalled); carries that thread's formatted traceback."""
@@ -126,26 +123,6 @@ class PipelineStalled(RuntimeError):
     pass
 
 
-def resolve_devices(entries: Sequence[int | str], key: str) -> list[torch.device]:
-    """Config device entries (GPU index, "cuda:N" or "cpu") as torch devices; ValueError names the bad one."""
-    if not entries:
-        raise ValueError(f"{key} must list at least one device")
-    devices = []
-    for entry in entries:
-        text = str(entry).strip().lower()
-        if text == "cpu":
-            devices.append(torch.device("cpu"))
-            continue
-        index = text.removeprefix("cuda:")
-        if not index.isdigit():
-            raise ValueError(f"{key}: {entry!r} is not a GPU index, 'cuda:N' or 'cpu'")
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if int(index) >= count:
-            raise ValueError(f"{key}: GPU {index} does not exist here ({count} CUDA devices)")
-        devices.append(torch.device("cuda", int(index)))
-    return devices
-
-
 def move_to_device(obj: Any, device: torch.device) -> Any:
     """Tensors inside tensors/lists/tuples/dicts/dataclasses moved to `device`; anything else unchanged."""
     if isinstance(obj, torch.Tensor):
@@ -156,7 +133,8 @@ def move_to_device(obj: Any, device: torch.device) -> Any:
         moved = [move_to_device(value, device) for value in obj]
         return type(obj)(*moved) if hasattr(obj, "_fields") else type(obj)(moved)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {f.name: move_to_device(getattr(obj, f.name), device) for f in dataclasses.fields(obj) if f.init}
+        fields = [f.name for f in dataclasses.fields(obj) if f.init]
+        changes = {name: move_to_device(getattr(obj, name), device) for name in fields}
         return dataclasses.replace(obj, **changes)
     return obj
 
@@ -167,8 +145,9 @@ def sum_and_clip_gradients(
     """Sum per-replica gradient lists onto replica 0's device, clip the sum like clip_grad_norm_, and give
     every replica its own copy of the result.
 
-    Returns (one gradient list per replica, the pre-clip total norm). On distinct GPUs this is an NCCL reduce +
-    broadcast (torch.cuda.comm); otherwise (CPU, or replicas sharing a GPU) a plain sum in replica order.
+    Returns (one gradient list per replica, the pre-clip total norm). On distinct GPUs this is an NCCL
+    reduce + broadcast (torch.cuda.comm); otherwise (CPU, or replicas sharing a GPU) a plain sum in replica
+    order.
     """
     distinct_gpus = all(d.type == "cuda" for d in devices) and len({d.index for d in devices}) == len(devices)
     if len(grads) == 1:
@@ -193,14 +172,17 @@ def sum_and_clip_gradients(
 
 
 def check_replicas_identical(drafters: Sequence[DrafterWorker]) -> None:
-    """Replicas must start equal: the shared update keeps equal replicas equal, and different ones different."""
+    """Replicas must start equal: the shared update keeps equal replicas equal, and unequal ones unequal."""
     first = drafters[0].trainable_parameters()
     for replica, worker in enumerate(drafters[1:], 1):
         params = worker.trainable_parameters()
         if len(params) != len(first):
-            raise ValueError(f"drafter replica {replica} has {len(params)} trainable tensors, replica 0 {len(first)}")
+            raise ValueError(
+                f"drafter replica {replica} has {len(params)} trainable tensors, replica 0 {len(first)}"
+            )
         for i, (a, b) in enumerate(zip(first, params)):
-            if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a.detach().to(b.device), b.detach()):
+            same_kind = a.shape == b.shape and a.dtype == b.dtype
+            if not (same_kind and torch.equal(a.detach().to(b.device), b.detach())):
                 raise ValueError(f"drafter replica {replica} differs from replica 0 in trainable tensor {i}")
 
 
@@ -251,7 +233,7 @@ class _Handoff:
 
     # Target side.
     def claim_for_target(self) -> tuple[tuple[int, int], Any] | None:
-        """The next micro-batch in source order, once there is room for it; None when there is no more work."""
+        """The next micro-batch in source order, once there is room; None when there is no more work."""
         with self.cond:
             while not self.stopping and self._claimed < self._total and self._live >= self.bound:
                 self._wait()
@@ -499,10 +481,12 @@ class Pipeline:
                 seen_signals = len(self._signals)
                 if seen_signals == 1:
                     name = signal.Signals(self._signals[0]).name
-                    print(f"pipeline: {name}: stopping at the next step boundary", file=sys.stderr, flush=True)
+                    message = f"pipeline: {name}: stopping at the next step boundary"
+                    print(message, file=sys.stderr, flush=True)
                     self.request_stop()
                 else:
-                    self._fail("signal", KeyboardInterrupt("a second stop signal: aborting without a checkpoint"))
+                    second = KeyboardInterrupt("a second stop signal: aborting without a checkpoint")
+                    self._fail("signal", second)
             now = time.monotonic()
             if self._progress != last_progress:
                 last_progress, last_change = self._progress, now
@@ -616,14 +600,13 @@ class Pipeline:
         if not self._plan_complete:
             return
         replicas = [w.trainable_parameters() for w in self.drafters]
-        grads = [[p.grad if p.grad is not None else torch.zeros_like(p) for p in params] for params in replicas]
+        grads = [[torch.zeros_like(p) if p.grad is None else p.grad for p in params] for params in replicas]
         devices = list(self.config.drafter_devices)
         self._plan_grads, norm = sum_and_clip_gradients(grads, devices, self.config.grad_clip)
-        if devices[0].type == "cuda":
-            # The sum and copies ran on this thread's streams of every drafter device: finish them before the
-            # other drafters read their gradients on their own streams.
-            for device in set(devices):
-                torch.cuda.current_stream(device).synchronize()
+        # The sum and copies ran on this thread's streams of every drafter GPU: finish them before the other
+        # drafters read their gradients on their own streams.
+        for device in {d for d in devices if d.type == "cuda"}:
+            torch.cuda.current_stream(device).synchronize()
         means = {}
         for sums in self._step_sums:
             for key, value in sums.items():

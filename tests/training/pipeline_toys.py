@@ -1,7 +1,7 @@
 """Toy pipeline stages for the pipeline tests: a frozen linear "target" and a small MLP "drafter".
 
-Also a command line (`python tests/training/pipeline_toys.py ...`) that runs the pipeline the way the trainer's
-entry point does, so tests can check exit codes and signal handling in a real process.
+Also a command line (`python tests/training/pipeline_toys.py ...`) that runs the pipeline the way the
+trainer's entry point does, so tests can check exit codes and signal handling in a real process.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ class ToyFailure(RuntimeError):
 
 
 class EventLog:
-    """What happened, in order, across threads: ("features", n), ("loss", replica, n), ("step", replica, k)."""
+    """What happened, in order, across threads:
+    ("features", n), ("loss", replica, n), ("step", replica, k)."""
 
     def __init__(self):
         self._lock = threading.Lock()

@@ -83,7 +83,8 @@ def test_unknown_preset_and_bad_toml(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["--config", "tiny", "--set", "nope=1"], "unknown config key"),
     (["--config", "tiny", "--set", "attention=flex"], "attention=flex needs a CUDA"),
-    (["--config", "tiny", "--set", "target_devices=[0,1]"], "one target and one drafter device"),
+    (["--config", "tiny", "--set", 'drafter_devices=["cpu", "gpu1"]'], "'gpu1' is neither a GPU index"),
+    (["--config", "tiny", "--set", "micro_batch_size=3"], "must be a multiple of micro_batch_size"),
     (["--config", "tiny", "--set", "build_tiny=false", "--set", "target_path=/nonexistent"], "not a model directory"),
     (["--set", "max_steps=3"], "--config"),
 ])
