@@ -23,7 +23,6 @@ from gpuctl.container import (
     RECORDS_DIR,
     SCRIPT_ACTIVE,
     SCRIPT_LOCKED,
-    SCRIPT_LOG_GONE,
     SCRIPT_NO_PYTHON,
     STAGE_DIR,
     Container,
@@ -303,7 +302,7 @@ def kill(ct: Container, run_number: int, signal_name: str, grace: float, notify:
 
 def print_log(ct: Container, run_number: int, lines: int | None, write: Write) -> None:
     result = ct.stream("logs", on_stdout=write, run_number=run_number, follow=False, lines=lines, offset=0)
-    if result.rc == SCRIPT_LOG_GONE or result.rc != 0:
+    if result.rc != 0:
         raise ct.failure(result, "reading the log")
 
 

@@ -138,6 +138,31 @@ def test_second_launch_while_one_runs_is_refused_then_replaced(gpuctl, standin, 
     assert gpuctl("kill", "--grace", "5").code == 0
 
 
+def test_launch_lock_held_elsewhere_is_a_conflict_naming_the_holder(gpuctl, standin, ctid):
+    records = gpuctl.path("/workspace/.gpuctl")
+    records.mkdir(parents=True)
+    (records / "launch.holder").write_text("ada@workstation-2 (gpuctl pid 4242)\n")
+    holder = standin.start_detached(ctid, "flock /workspace/.gpuctl/launch.lock sleep 300")
+    result = gpuctl.launch_fake("steps=1")
+    assert result.code == 5
+    assert "another launch holds" in result.stderr and "ada@workstation-2" in result.stderr
+    assert not list(records.glob("tl*.json"))  # nothing was started
+    os.killpg(holder, signal.SIGKILL)  # flock and its sleep, which holds the lock too
+    assert gpuctl.launch_fake("steps=1").code == 0  # the lock died with its holder
+
+
+def test_round_trips_per_command(gpuctl):
+    def remote_commands(*args: str) -> int:
+        result = gpuctl(*args, env={"GPUCTL_TRACE": "1"})
+        return int(result.stderr.split(" remote commands")[0].rsplit(" ", 1)[1])
+
+    assert remote_commands("launch", "--python", "fake-trainer", "--set", "fake.steps=100000") == 2
+    assert remote_commands("status") == 1
+    assert remote_commands("logs", "-n", "5") == 1
+    assert remote_commands("runs") == 1
+    assert gpuctl("kill", "--grace", "5").code == 0
+
+
 def test_kill_escalates_and_leaves_no_process_of_the_run(gpuctl, standin, ctid):
     # A bystander in the same container, named like a trainer: kill must not touch it.
     bystander_pid = standin.start_detached(ctid, "python3 -c 'import time; time.sleep(300)'")
