@@ -319,8 +319,8 @@ def test_trainer_thread_failure_exits_non_zero_with_its_traceback(tiny_world, tm
         "sys.exit(t.main(sys.argv[1:]))\n"
     )
     start = time.monotonic()
-    result = subprocess.run([sys.executable, "-c", inject, *tiny_args(tiny_world, tmp_path, "max_steps=1000")],
-                            cwd=REPO, capture_output=True, text=True, timeout=180, check=False)
+    command = [sys.executable, "-c", inject, *tiny_args(tiny_world, tmp_path, "max_steps=1000")]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180, check=False)
     assert result.returncode == 1, result.stdout + result.stderr
     assert time.monotonic() - start < 120
     assert "Traceback" in result.stderr and "in failing_loss" in result.stderr
@@ -393,3 +393,18 @@ def test_gpu_replicas_match_single_replica_and_stay_identical(target_gpus, draft
     for got, want in zip(pipeline.drafters[0].trainable_parameters(), expected):
         torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
     assert_replicas_identical(pipeline)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("targets,drafters", [([0, 0], [0, 0]), ([0], [1]), ([0, 1], [0, 1])])
+def test_gpu_trainer_through_the_pipeline_compiles_nothing_after_warm_up(tiny_world, tmp_path, targets,
+                                                                        drafters):
+    """The tiny preset on CUDA (compiled flex, bf16): 2+2 threads sharing one GPU, 1+1 and 2+2 on two."""
+    if torch.cuda.device_count() <= max(targets + drafters):
+        pytest.skip(f"needs {max(targets + drafters) + 1} CUDA GPUs")
+    overrides = [f"target_devices={targets}", f"drafter_devices={drafters}", "max_steps=12", "log_every=4"]
+    command = [sys.executable, "-m", "training.train", *tiny_args(tiny_world, tmp_path, *overrides)]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "attention flex" in result.stdout and "step 12/12" in result.stdout
+    assert " 0 compiles after warm-up" in result.stdout
