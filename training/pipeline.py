@@ -69,7 +69,8 @@ class PipelineConfig:
     micro_batches_per_step: int
     queue_depth: int = 4
     grad_clip: float | None = 1.0
-    # No progress (no micro-batch, no step, no thread ready) for this long is a hang: abort with every stack.
+    # In steady state, no progress (no micro-batch done, no step) for this long is a hang: abort with every
+    # thread's stack. Warm-up is not timed here: compiling may take long, and its barrier has its own timeout.
     stall_timeout_s: float = 1800.0
     # After an abort, how long to wait for threads still inside a long device call before giving up on them.
     abort_grace_s: float = 60.0
@@ -389,6 +390,7 @@ class Pipeline:
         self._signals: list[int] = []  # received by run()'s handlers, acted on by the supervisor loop
         self._progress = 0
         self._steps_done = start_step
+        self._steady = False  # every thread has passed warm-up
         self._ready_barrier = threading.Barrier(
             len(config.target_devices) + len(config.drafter_devices), action=self._start_steady_state
         )
@@ -490,6 +492,8 @@ class Pipeline:
             now = time.monotonic()
             if self._progress != last_progress:
                 last_progress, last_change = self._progress, now
+            elif not self._steady:
+                last_change = now
             elif self._error is None and now - last_change > self.config.stall_timeout_s:
                 self._fail("watchdog", PipelineStalled(self._stall_message(threads)))
             if self._error is not None:
@@ -518,6 +522,7 @@ class Pipeline:
             self._fail(name, error)
 
     def _start_steady_state(self) -> None:
+        self._steady = True
         self._clocks.take_window()
         self._handoff.take_depth_window(0.0)
 
@@ -536,7 +541,6 @@ class Pipeline:
         warm_up = getattr(worker, "warm_up", None)
         if warm_up is not None:
             warm_up()
-        self._progress += 1
         self._ready_barrier.wait()
 
     def _target_loop(self, name: str, device: torch.device, stream, index: int) -> None:

@@ -226,6 +226,16 @@ def test_a_stalled_pipeline_is_an_error_with_every_stack():
     assert caught.value.still_running == ["drafter0"]
 
 
+def test_a_long_warm_up_is_not_a_stall():
+    class SlowWarmUp(ToyDrafter):
+        def warm_up(self):
+            time.sleep(1.5)  # compiling, say: longer than the stall timeout below
+
+    pipeline = Pipeline(PipelineConfig([CPU], [CPU], 2, stall_timeout_s=0.5), [ToyTarget(CPU)], [SlowWarmUp(CPU)],
+                        make_batches(8), start_step=0, max_steps=4)
+    assert pipeline.run().steps_done == 4
+
+
 def test_requested_stop_ends_at_a_step_boundary_without_a_partial_step():
     per_step, clip = 3, 1.0
     batches = make_batches(100 * per_step)
