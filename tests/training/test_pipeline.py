@@ -231,8 +231,8 @@ def test_a_long_warm_up_is_not_a_stall():
         def warm_up(self):
             time.sleep(1.5)  # compiling, say: longer than the stall timeout below
 
-    pipeline = Pipeline(PipelineConfig([CPU], [CPU], 2, stall_timeout_s=0.5), [ToyTarget(CPU)], [SlowWarmUp(CPU)],
-                        make_batches(8), start_step=0, max_steps=4)
+    config = PipelineConfig([CPU], [CPU], 2, stall_timeout_s=0.5)
+    pipeline = Pipeline(config, [ToyTarget(CPU)], [SlowWarmUp(CPU)], make_batches(8), start_step=0, max_steps=4)
     assert pipeline.run().steps_done == 4
 
 
