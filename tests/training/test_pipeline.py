@@ -232,7 +232,8 @@ def test_a_long_warm_up_is_not_a_stall():
             time.sleep(1.5)  # compiling, say: longer than the stall timeout below
 
     config = PipelineConfig([CPU], [CPU], 2, stall_timeout_s=0.5)
-    pipeline = Pipeline(config, [ToyTarget(CPU)], [SlowWarmUp(CPU)], make_batches(8), start_step=0, max_steps=4)
+    pipeline = Pipeline(config, [ToyTarget(CPU)], [SlowWarmUp(CPU)], make_batches(8), start_step=0,
+                        max_steps=4)
     assert pipeline.run().steps_done == 4
 
 
