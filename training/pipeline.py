@@ -121,7 +121,7 @@ class PipelineError(RuntimeError):
 
 
 class PipelineStalled(RuntimeError):
-    pass
+    """No progress in steady state for `stall_timeout_s`: a hang. The message holds every thread's stack."""
 
 
 def move_to_device(obj: Any, device: torch.device) -> Any:
