@@ -37,10 +37,25 @@ def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: tor
     return labels, weights
 
 
+# torch.mm(a, b, out_dtype=float32) for bf16 operands: CUDA only, and not in every torch version.
+_MM_WRITES_FLOAT32 = "dtype" in torch.ops.aten.mm.overloads()
+
+
+def float32_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b as float32. bf16 operands accumulate in float32 anyway; on CUDA the product is written in float32
+    directly (no bf16 rounding, no separate cast pass over [rows, vocabulary])."""
+    if a.dtype != torch.float32 and a.is_cuda and _MM_WRITES_FLOAT32:
+        return torch.ops.aten.mm.dtype(a, b, torch.float32)
+    return (a @ b).float()
+
+
 class ChunkedCrossEntropy(torch.autograd.Function):
     """sum(w * CE(hidden @ head.T, labels)) / sum(w), chunk by chunk; `head` is frozen (no gradient).
 
     Also returns, without gradient, whether each position's top-1 prediction equals its label.
+    Per chunk of R rows the vocabulary-wide work is one float32 logits matmul, one max pass (the logsumexp's
+    shift and the top-1), one softmax, and one pass writing the scaled gradient in the head's dtype: no
+    separate cast, logsumexp temporaries or in-place passes over [R, vocabulary].
     """
 
     @staticmethod
@@ -52,16 +67,22 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.zeros_like(hidden, dtype=torch.float32) if needs_grad else None
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
-            logits = (hidden[rows].to(head.dtype) @ head.T).float()
             label = labels[rows, None]
-            log_norm = torch.logsumexp(logits, dim=-1, keepdim=True)
-            loss += (weights[rows] * (log_norm - logits.gather(1, label)).squeeze(1)).sum()
-            correct[rows] = logits.argmax(dim=-1) == labels[rows]
-            if needs_grad:  # d(loss)/d(logits) = w / W * (softmax - onehot), reusing the logits' memory
-                probs = logits.sub_(log_norm).exp_()
-                probs.scatter_add_(1, label, torch.full_like(label, -1, dtype=probs.dtype))
-                probs.mul_((weights[rows] / total_weight)[:, None])
-                grad_hidden[rows] = (probs.to(head.dtype) @ head).float()
+            logits = float32_matmul(hidden[rows].to(head.dtype), head.T)
+            label_logit = logits.gather(1, label)
+            top_logit, top = logits.max(dim=-1, keepdim=True)  # the first of equal maxima, as argmax
+            correct[rows] = top.squeeze(1) == labels[rows]
+            probs = torch.softmax(logits, dim=-1)
+            del logits
+            # logsumexp = max + log(sum(exp(logits - max))), and the softmax at the max is 1 / that sum.
+            log_norm = top_logit - probs.gather(1, top).log()
+            loss += (weights[rows] * (log_norm - label_logit).squeeze(1)).sum()
+            if needs_grad:  # d(loss)/d(logits) = w / W * (softmax - onehot)
+                scale = (weights[rows] / total_weight)[:, None]
+                label_grad = (probs.gather(1, label) - 1) * scale  # in float32: p - 1 stays exact where p ~ 1
+                grad_logits = torch.mul(probs, scale, out=torch.empty_like(probs, dtype=head.dtype))
+                grad_logits.scatter_(1, label, label_grad.to(head.dtype))
+                grad_hidden[rows] = float32_matmul(grad_logits, head)
         ctx.save_for_backward(grad_hidden)
         ctx.mark_non_differentiable(correct)
         ctx.hidden_dtype = hidden.dtype

@@ -60,10 +60,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # In float32, returned in the input's dtype so that autocast keeps q/k/v in one dtype.
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * normed).to(x.dtype)
+        # In float32, returned in the input's dtype so that autocast keeps q/k/v in one dtype. One fused kernel
+        # forward and backward on CUDA (it needs input and weight in one dtype), not seven float32 passes.
+        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
+
+
+def matmul_dtype(device_type: str, default: torch.dtype) -> torch.dtype:
+    """The dtype autocast runs matrix products in on this device type, or `default` outside autocast."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return default
 
 
 def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,11 +107,18 @@ class DraftLayer(nn.Module):
                 mask: AttentionMask) -> torch.Tensor:
         batch, q_len, _ = hidden.shape
         kv_len = context.shape[1] + q_len
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # One matmul for q, k, v of the block tokens and one for k, v of the context: the normed input is read
+        # and cast once, and its gradient comes out of one matmul instead of three summed ones.
+        dtype = matmul_dtype(hidden.device.type, self.q_proj.weight.dtype)
+        w_q, w_k, w_v = (proj.weight.to(dtype) for proj in (self.q_proj, self.k_proj, self.v_proj))
         x = self.input_norm(hidden)
-        q = self.q_norm(self.q_proj(x).view(batch, q_len, self.num_heads, self.head_dim))
+        q, k_block, v_block = F.linear(x, torch.cat([w_q, w_k, w_v])).split([q_size, kv_size, kv_size], dim=-1)
         # KV injection: the target's context and the block tokens share this layer's k/v projections.
-        k = torch.cat([self.k_proj(context), self.k_proj(x)], dim=1).view(batch, kv_len, self.num_kv_heads, -1)
-        v = torch.cat([self.v_proj(context), self.v_proj(x)], dim=1).view(batch, kv_len, self.num_kv_heads, -1)
+        k_context, v_context = F.linear(context, torch.cat([w_k, w_v])).split([kv_size, kv_size], dim=-1)
+        q = self.q_norm(q.view(batch, q_len, self.num_heads, self.head_dim))
+        k = torch.cat([k_context, k_block], dim=1).view(batch, kv_len, self.num_kv_heads, -1)
+        v = torch.cat([v_context, v_block], dim=1).view(batch, kv_len, self.num_kv_heads, -1)
         q = apply_rotary(q.transpose(1, 2), *rope_q)
         k = apply_rotary(self.k_norm(k).transpose(1, 2), *rope_kv)
         out = attend(q, k, v.transpose(1, 2), mask)

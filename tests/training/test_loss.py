@@ -75,3 +75,38 @@ def test_loss_of_an_empty_batch_is_zero_not_nan():
                           torch.zeros((2, 4)), 8)
     loss.backward()
     assert float(loss.detach()) == 0.0 and (hidden.grad == 0).all()
+
+
+def test_gradient_of_a_confident_prediction_keeps_p_minus_one_with_a_bf16_head():
+    """With the label's probability 1 - 2e-3, bf16 would round p to 1 and the label's gradient p - 1 to 0; the
+    loss computes p - 1 in float32 before the cast. Integer logits are exact in bf16, so the float64 reference
+    sees the same logits."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, dim = 50, 16
+    head = torch.randint(-1, 2, (vocab, dim), generator=gen).float()
+    head[7] = 0
+    head[7, :10] = 1
+    hidden = torch.zeros(1, 4, dim)
+    hidden[..., :10] = 1  # logit 10 for token 7, |logit| <= 6 for the others
+    labels = torch.full((1, 4), 7)
+    weights = torch.ones(1, 4)
+
+    bf16_hidden = hidden.bfloat16().requires_grad_()
+    loss, accuracy = dflash_loss(bf16_hidden, head.bfloat16(), labels, weights, chunk_size=3)
+    loss.backward()
+    reference_hidden = hidden.double().requires_grad_()
+    expected = reference_loss(reference_hidden, head.double(), labels, weights.double())
+    expected.backward()
+
+    assert float(accuracy) == 1.0
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-3, atol=0)
+    torch.testing.assert_close(bf16_hidden.grad.double(), reference_hidden.grad, rtol=2e-2, atol=1e-5)
+    assert bf16_hidden.grad.abs().max() > 1e-4  # the label's p - 1 survived
+
+
+def test_accuracy_counts_a_tie_as_the_first_maximum_like_argmax():
+    head = torch.eye(4)
+    hidden = torch.tensor([[[1.0, 0.0, 1.0, 0.0]]])  # tokens 0 and 2 tie
+    for label, right in ((0, 1.0), (2, 0.0)):
+        _, accuracy = dflash_loss(hidden, head, torch.tensor([[label]]), torch.ones(1, 1), chunk_size=8)
+        assert float(accuracy) == right

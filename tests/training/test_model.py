@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 
+import training.model as model_module
 from training.attention import build_mask
+from training.compile import AttentionShape, projected_qkv
 from training.evaluate import EvalSet, acceptance_length
 from training.model import Drafter, DrafterConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from drafter_baseline import use_old  # the pre-fusion drafter code, kept for the benchmark
 
 CONFIG = DrafterConfig(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
                        rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=50, num_layers=2, num_features=3,
@@ -98,3 +107,61 @@ def test_acceptance_length_counts_accepted_drafts_plus_the_bonus_token():
     assert acceptance_length(OracleDrafter(tokens, right=3), evalset, torch.float32) == 4.0  # the whole block
     assert acceptance_length(OracleDrafter(tokens, right=1), evalset, torch.float32) == 2.0
     assert acceptance_length(OracleDrafter(tokens, right=0), evalset, torch.float32) == 1.0
+
+
+def forward_backward(drafter, features, tokens, anchors, valid):
+    """The drafter's output and every trainable parameter's gradient of a fixed function of it."""
+    drafter.zero_grad(set_to_none=True)
+    mask = build_mask("sdpa", anchors, valid, features.shape[1], CONFIG.block_size)
+    out = drafter(features, tokens.gather(1, anchors), anchors, mask)
+    (out.float() * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    return out.detach(), {name: p.grad.clone() for name, p in drafter.named_parameters()}
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_fused_projections_and_norms_compute_what_the_separate_ones_did(autocast):
+    """q/k/v of the block tokens (and k/v of the context) in one matmul each, RMSNorm through F.rms_norm: the same
+    function and gradients as separate projections and the float32 norm chain: in float64 to float32 rounding
+    (the norm computes in float32 either way), and under bf16 autocast to bf16 precision."""
+    drafter = make_drafter().train()
+    if not autocast:
+        drafter = drafter.double()
+    dtype = torch.float64 if not autocast else torch.float32
+    gen = torch.Generator().manual_seed(1)
+    features = torch.randn(2, 30, 96, generator=gen, dtype=dtype)
+    tokens = torch.randint(0, 50, (2, 30), generator=gen)
+    anchors, valid = torch.tensor([[5, 12, 20], [7, 9, 0]]), torch.tensor([[True, True, True], [True, True, False]])
+
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        new_out, new_grads = forward_backward(drafter, features, tokens, anchors, valid)
+        with use_old(drafter, ["norm", "qkv"]):
+            old_out, old_grads = forward_backward(drafter, features, tokens, anchors, valid)
+    assert type(drafter.layers[0]) is model_module.DraftLayer  # the old classes were swapped back
+    tolerance = {"rtol": 2e-2, "atol": 2e-2} if autocast else {"rtol": 1e-6, "atol": 1e-6}
+    torch.testing.assert_close(new_out, old_out, **tolerance)
+    assert new_grads.keys() == old_grads.keys()
+    for name, grad in new_grads.items():
+        scale = old_grads[name].abs().max().clamp_min(1e-6)  # compare bf16 gradients relative to their size
+        torch.testing.assert_close(grad / scale, old_grads[name] / scale, **tolerance, msg=name)
+
+
+def test_attention_inputs_keep_the_layout_the_shared_flex_attention_is_warmed_with(monkeypatch):
+    """The threaded trainer's compiled flex_attention is warmed with `projected_qkv` and refuses any other
+    stride (it would recompile): the fused projections must hand attention the same layout."""
+    seen = []
+    real_attend = model_module.attend
+
+    def spy(q, k, v, mask):
+        seen.append((q, k, v))
+        return real_attend(q, k, v, mask)
+
+    monkeypatch.setattr(model_module, "attend", spy)
+    features, tokens = torch.randn(1, 30, 96), torch.randint(0, 50, (1, 30))
+    anchors, valid = torch.tensor([[5, 12, 20]]), torch.tensor([[True, True, True]])
+    forward_backward(make_drafter().train(), features, tokens, anchors, valid)
+    q_len = anchors.shape[1] * CONFIG.block_size
+    shape = AttentionShape(1, CONFIG.num_heads, CONFIG.num_kv_heads, q_len, 30 + q_len, CONFIG.head_dim)
+    warmed = projected_qkv(shape, torch.device("cpu"), torch.float32, requires_grad=True)
+    assert len(seen) == CONFIG.num_layers
+    for got, expected in zip(seen[0], warmed):
+        assert got.shape == expected.shape and got.stride() == expected.stride()
