@@ -125,10 +125,14 @@ class Session:
         self.endpoint = endpoint
         self._timeout = timeout
 
-    def _open(self, command: str, stdin: bytes) -> paramiko.Channel:
+    def _connected(self) -> bool:
         transport = self._client.get_transport()
-        if transport is None or not transport.is_active():
+        return transport is not None and transport.is_active()
+
+    def _open(self, command: str, stdin: bytes) -> paramiko.Channel:
+        if not self._connected():
             raise host_error(f"connection to {self.endpoint.describe()} was lost")
+        transport = self._client.get_transport()
         STATS.remote_commands += 1
         try:
             chan = transport.open_session(timeout=self._timeout)
@@ -160,7 +164,7 @@ class Session:
                     on_stdout(data)
                 elif data == b"":
                     break  # end of the command's output
-                elif not self._client.get_transport().is_active():
+                elif not self._connected():
                     raise host_error(f"connection to {self.endpoint.describe()} was lost")
             while True:
                 data = chan.recv_stderr(RECV_BYTES)
@@ -168,6 +172,8 @@ class Session:
                     break
                 on_stderr(data)
             rc = chan.recv_exit_status()
+            if rc == -1 and not self._connected():
+                raise host_error(f"connection to {self.endpoint.describe()} was lost")
         finally:
             chan.close()
         return Completed(rc, bytes(out), bytes(err))
