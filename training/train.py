@@ -331,7 +331,8 @@ def train(config: TrainConfig, resume: bool = False, stop: StopRequest | None = 
     if shared_flex is not None:
         stats = shared_flex.stats()
         say(f"compiled flex_attention: {stats.compiled_calls} calls, {stats.compiles_after_warmup} compiles "
-            "after warm-up")
+            f"after warm-up, {stats.eager_runs} eager runs, {stats.fx_traces_after_warmup} FX traces after "
+            f"warm-up, FX tracing flag {stats.fx_tracing_flag}")
     if result.stopped:
         if step != saved_step:
             save(step)

@@ -8,7 +8,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from tests.conftest import REPO
+from tests.cli.conftest import REPO
 
 
 def tracked_files(folder: str) -> set[str]:

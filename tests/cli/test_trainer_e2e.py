@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from tenacity import retry, stop_after_delay, wait_fixed
 
-from tests.conftest import REPO
+from tests.cli.conftest import REPO
 
 pytestmark = pytest.mark.skipif(not (REPO / "training" / "train.py").exists(),
                                 reason="the trainer (training/train.py) is not in this checkout yet")

@@ -17,7 +17,7 @@ import pytest
 
 from tests.sandbox import StandInHost
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 _ctids = itertools.count(200)
 
 
