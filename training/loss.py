@@ -38,13 +38,13 @@ def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: tor
 
 
 # torch.mm(a, b, out_dtype=float32) for bf16 operands: CUDA only, and not in every torch version.
-_MM_WRITES_FLOAT32 = "dtype" in torch.ops.aten.mm.overloads()
+MATMUL_WRITES_FLOAT32 = "dtype" in torch.ops.aten.mm.overloads()
 
 
 def float32_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b as float32. bf16 operands accumulate in float32 anyway; on CUDA the product is written in float32
     directly (no bf16 rounding, no separate cast pass over [rows, vocabulary])."""
-    if a.dtype != torch.float32 and a.is_cuda and _MM_WRITES_FLOAT32:
+    if a.dtype != torch.float32 and a.is_cuda and MATMUL_WRITES_FLOAT32:
         return torch.ops.aten.mm.dtype(a, b, torch.float32)
     return (a @ b).float()
 

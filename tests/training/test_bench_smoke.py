@@ -1,0 +1,112 @@
+"""bench/drafter_bench.py cannot rot: its toy-dims CPU form runs every code path, its step is the trainer's,
+and its FLOP count equals what the matrix products actually do."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))
+import drafter_bench
+
+from training.loss import dflash_loss
+from training.step import drafter_stage
+
+BENCH = [sys.executable, str(REPO / "bench" / "drafter_bench.py")]
+
+
+@pytest.fixture(scope="module")
+def small_bench() -> drafter_bench.Bench:
+    return drafter_bench.Bench(torch.device("cpu"), drafter_bench.SMALL, context=300, num_anchors=6,
+                               matmul_tflops=1.0)
+
+
+def test_drafter_bench_runs_on_the_cpu_and_reports_every_figure(tmp_path):
+    out = tmp_path / "bench.json"
+    result = subprocess.run(BENCH + ["--small", "--device", "cpu", "--repeats", "2", "--warmup", "1", "--profile",
+                                     "--profile-steps", "1", "--chunk-sizes", "256,100000", "--json", str(out)],
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "MFU f+b" in result.stdout and "target forward" in result.stdout
+    report = json.loads(out.read_text())
+    names = [row["variant"] for row in report["variants"]]
+    assert names == ["new", "old", "old-loss", "old-norm", "old-qkv", "new chunk=100000"]
+    for row in report["variants"]:
+        assert 0 < row["fwd_bwd_ms"] <= row["step_ms"] and 0 < row["mfu_step"] < 1, row
+        # In float32 the old and the new code compute the same loss and gradients.
+        assert row["loss_rel_diff"] < 1e-5 and row["grad_rel_diff"] < 1e-4, row
+    assert all(flop > 0 for flop in report["flops"].values())
+    assert math.isclose(sum(report["flops"].values()), report["flops_total"])
+    profile = report["profile"]
+    assert profile["categories_ms_per_step"] and profile["top_kernels"]
+    assert math.isclose(sum(profile["categories_ms_per_step"].values()), profile["busy_ms_per_step"], rel_tol=1e-6)
+    assert report["target"]["forward_ms"] > 0 and report["target"]["flops"] > 0
+
+
+@pytest.mark.parametrize("argv", [["--small", "--device", "cpu", "--variants", "new,fast"],
+                                  ["--device", "cpu"],
+                                  ["--small", "--device", "cpu", "--chunk-sizes", "big"]])
+def test_bad_arguments_give_one_line_and_exit_2(argv):
+    result = subprocess.run(BENCH + argv, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: ") and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_the_benchmarked_step_is_the_trainers_drafter_stage(small_bench):
+    b = small_bench
+    mask = b.build_mask()
+    loss = b.forward_loss(dflash_loss, 64, mask)
+    expected = drafter_stage(b.drafter, b.features, b.batch, b.backend, drafter_bench.GAMMA, 64, b.dtype).loss
+    assert torch.equal(loss, expected)
+
+
+def test_counted_flops_equal_the_matrix_products_that_run(small_bench):
+    """Every component but attention is a plain matmul: FlopCounterMode sees exactly what we count. Attention
+    is counted over the allowed pairs only (the CPU's SDPA computes the dense scores)."""
+    b = small_bench
+    mask = b.build_mask()
+    with FlopCounterMode(display=False) as counter:
+        b.forward_loss(dflash_loss, 64, mask).backward()
+    b.optimizer.zero_grad(set_to_none=True)
+    counts = counter.get_flop_counts()["Global"]
+    matmul = sum(n for op, n in counts.items() if "attention" not in str(op))
+    counted = sum(flop for name, flop in b.flops.items() if not name.startswith("attention"))
+    assert matmul == counted
+
+
+def test_attention_counts_only_the_pairs_the_mask_allows():
+    c = drafter_bench.DrafterConfig(hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4, intermediate_size=8,
+                                    rms_norm_eps=1e-6, rope_theta=1e4, vocab_size=10, num_layers=3, num_features=2,
+                                    block_size=4, target_layers=[0, 1])
+    anchors, valid = torch.tensor([[3, 10]]), torch.tensor([[True, False]])
+    flops = drafter_bench.drafter_flops(c, 1, 16, anchors, valid, loss_positions=3)
+    pairs = 4 * (3 + 4)  # 4 block tokens see 3 context positions and their 4-token block; padding sees nothing
+    assert flops["attention, allowed pairs"] == 3 * 3 * 4 * 2 * 4 * pairs
+    assert flops["LM head (fwd + input grad)"] == 2 * 2 * 8 * 10 * 3
+
+
+@pytest.mark.parametrize("name, parents, category", [
+    ("nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NTT", ["aten::mm", "MmBackward0"], "matmul: backward"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", ["aten::mm", "aten::linear"], "matmul: forward"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", ["aten::mm", drafter_bench.LOSS_RANGE], "matmul: LM head (loss)"),
+    ("void at::native::cunn_SoftMaxForward<4, float>", ["aten::_softmax", drafter_bench.LOSS_RANGE],
+     "loss: max / softmax / scaled gradient"),
+    ("triton_tem_fused_0", ["CompiledFunctionBackward"], "attention backward"),
+    ("triton_tem_fused_0", ["CompiledFunction"], "attention forward"),
+    ("void at::native::vectorized_layer_norm_kernel<float, float, true>", ["aten::_fused_rms_norm"],
+     "norm (rms_norm)"),
+    ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>", ["aten::cat"], "copies / casts / cat"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel>", ["aten::silu"],
+     "elementwise / rope / silu / reductions"),
+    ("void at::native::multi_tensor_apply_kernel<...>", [drafter_bench.OPTIMIZER_RANGE], "optimizer (clip + AdamW)"),
+])
+def test_profile_categories(name, parents, category):
+    assert drafter_bench.kernel_category(name, parents) == category
