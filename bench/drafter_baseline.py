@@ -2,9 +2,10 @@
 bench/drafter_bench.py can time old and new side by side in one run, and tests can check they compute the
 same function. Not used by the trainer.
 
-Three parts, each revertible on its own (`use_old`): "norm" (RMSNorm as separate float32 ops), "qkv" (q, k
-and v of the block tokens and k, v of the context as separate matmuls), "loss" (logits rounded to bf16, then
-logsumexp, argmax and the softmax gradient as separate float32 passes).
+Four parts, each revertible on its own (`use_old`): "norm" (RMSNorm as separate float32 ops), "qkv" (q, k
+and v of the block tokens and k, v of the context as separate matmuls), "rope" (the rotation's halves as two
+slices), "loss" (logits rounded to bf16, then logsumexp, argmax and the softmax gradient as separate float32
+passes).
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
+import training.model as model_module
 from training.attention import AttentionMask, attend
 from training.loss import dflash_loss
-from training.model import Drafter, DraftLayer, RMSNorm, apply_rotary
+from training.model import Drafter, DraftLayer, RMSNorm
 
-PARTS = ("norm", "qkv", "loss")
+PARTS = ("norm", "qkv", "rope", "loss")
 
 
 class OldRMSNorm(RMSNorm):
@@ -27,6 +29,12 @@ class OldRMSNorm(RMSNorm):
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight * normed).to(x.dtype)
+
+
+def old_apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
 class OldDraftLayer(DraftLayer):
@@ -38,8 +46,8 @@ class OldDraftLayer(DraftLayer):
         q = self.q_norm(self.q_proj(x).view(batch, q_len, self.num_heads, self.head_dim))
         k = torch.cat([self.k_proj(context), self.k_proj(x)], dim=1).view(batch, kv_len, self.num_kv_heads, -1)
         v = torch.cat([self.v_proj(context), self.v_proj(x)], dim=1).view(batch, kv_len, self.num_kv_heads, -1)
-        q = apply_rotary(q.transpose(1, 2), *rope_q)
-        k = apply_rotary(self.k_norm(k).transpose(1, 2), *rope_kv)
+        q = model_module.apply_rotary(q.transpose(1, 2), *rope_q)  # old or new: the "rope" part decides
+        k = model_module.apply_rotary(self.k_norm(k).transpose(1, 2), *rope_kv)
         out = attend(q, k, v.transpose(1, 2), mask)
         hidden = hidden + self.o_proj(out.transpose(1, 2).reshape(batch, q_len, -1))
         x = self.post_attention_norm(hidden)
@@ -88,8 +96,8 @@ def old_dflash_loss(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tens
 
 @contextlib.contextmanager
 def use_old(drafter: Drafter, parts: Iterable[str]) -> Iterator:
-    """Within the block, the drafter's modules run the old code of `parts` (same parameters: the classes are
-    swapped, not the modules); yields the loss function to use."""
+    """Within the block, the drafter runs the old code of `parts` (same parameters: module classes and the
+    rotary function are swapped, not modules); yields the loss function to use."""
     parts = set(parts)
     if unknown := parts - set(PARTS):
         raise ValueError(f"unknown old parts {sorted(unknown)}; choose from {PARTS}")
@@ -99,8 +107,12 @@ def use_old(drafter: Drafter, parts: Iterable[str]) -> Iterator:
     swapped = [(module, module.__class__) for module in drafter.modules() if type(module) in swaps]
     for module, cls in swapped:
         module.__class__ = swaps[cls]
+    new_apply_rotary = model_module.apply_rotary
+    if "rope" in parts:
+        model_module.apply_rotary = old_apply_rotary
     try:
         yield old_dflash_loss if "loss" in parts else dflash_loss
     finally:
+        model_module.apply_rotary = new_apply_rotary
         for module, cls in swapped:
             module.__class__ = cls

@@ -3,7 +3,7 @@ card's bf16 matrix rate measured in the same run, peak memory; the target's forw
 separately. The code before the speed changes (bench/drafter_baseline.py) runs beside the product's, on the
 same weights and batch, so one call measures before and after.
 
-    python bench/drafter_bench.py [--device 0] [--variants new,old,old-loss,old-norm,old-qkv]
+    python bench/drafter_bench.py [--device 0] [--variants new,old,old-loss,old-norm,old-qkv,old-rope]
         [--chunk-sizes 2048,8192] [--repeats 10] [--profile] [--skip-target] [--json out.json]
     python bench/drafter_bench.py --small --device cpu   # toy dims on the CPU: a dry run of every code path
 
@@ -11,7 +11,7 @@ Shapes (default): Qwen3-8B dims, random weights built on the device (no download
 random [151936, 4096] bf16 embedding and LM head, random [1, 3072, 5 x 4096] bf16 target features, 512
 anchors x 16 = 8192 block tokens, bf16 autocast over float32 master weights, compiled flex attention, fused
 AdamW. Variants: "new" is the product; "old" is all of the old code; "old-<part>" reverts one part (norm, qkv,
-loss) so each change's share is measured. Extra chunk sizes add "new chunk=N" rows.
+rope, loss) so each change's share is measured. Extra chunk sizes add "new chunk=N" rows.
 
 Times are medians over --repeats steps after --warmup steps, measured with CUDA events (no host clock).
 FLOPs count matrix products only, backward = 2 x forward (input and weight gradients; no recomputation).
@@ -299,7 +299,9 @@ def kernel_category(name: str, parents: list[str]) -> str:
     backward = "backward" in within or "backward" in lower
     if gemm:
         return "matmul: backward" if backward else "matmul: forward"
-    if "flex" in lower or lower.startswith("triton") or "attention" in lower:
+    if "flex" in lower or lower.startswith("triton") or "attention" in lower:  # only attention is compiled
+        if not parents and "backward" not in lower:
+            return "attention (not linked to an op: fwd or bwd)"
         return "attention backward" if backward else "attention forward"
     if "softmax" in lower or "logsumexp" in lower:
         return "loss: max / softmax / scaled gradient"
@@ -405,7 +407,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = _Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="0", help="GPU index, or cpu (with --small)")
     parser.add_argument("--small", action="store_true", help="toy dims (a dry run of every code path)")
-    parser.add_argument("--variants", default="new,old,old-loss,old-norm,old-qkv",
+    parser.add_argument("--variants", default="new,old,old-loss,old-norm,old-qkv,old-rope",
                         help=f"comma list from {', '.join(VARIANTS)}; the first is the correctness reference")
     parser.add_argument("--chunk-sizes", default="2048,8192",
                         help="loss chunk sizes: the first for every variant, the others as extra 'new' rows")

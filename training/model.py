@@ -81,8 +81,10 @@ def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    # chunk, not two slices: its backward is one cat of the halves' gradients, where each slice's backward
+    # would write a zero-filled full-size gradient and add them up.
+    first, second = x.chunk(2, dim=-1)
+    rotated = torch.cat([-second, first], dim=-1)
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 

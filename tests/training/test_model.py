@@ -134,7 +134,7 @@ def test_fused_projections_and_norms_compute_what_the_separate_ones_did(autocast
 
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         new_out, new_grads = forward_backward(drafter, features, tokens, anchors, valid)
-        with use_old(drafter, ["norm", "qkv"]):
+        with use_old(drafter, ["norm", "qkv", "rope"]):
             old_out, old_grads = forward_backward(drafter, features, tokens, anchors, valid)
     assert type(drafter.layers[0]) is model_module.DraftLayer  # the old classes were swapped back
     tolerance = {"rtol": 2e-2, "atol": 2e-2} if autocast else {"rtol": 1e-6, "atol": 1e-6}
