@@ -350,7 +350,11 @@ class SharedFlexAttention:
         return self._call_compiled(q, k, v, block_mask)
 
     def _call_compiled(self, q, k, v, block_mask) -> torch.Tensor:
-        return self._compiled(q, k, v, block_mask=block_mask, enable_gqa=q.size(1) != k.size(1))
+        # Dynamo guards on the global autocast state: a trainer under autocast would miss every entry warmed
+        # outside it (a recompile per key, seen on an H200). q/k/v arrive in the attention dtype already, so
+        # every call, warm-up and steady state alike, runs with autocast off: one state, one entry per key.
+        with torch.autocast(q.device.type, enabled=False):
+            return self._compiled(q, k, v, block_mask=block_mask, enable_gqa=q.size(1) != k.size(1))
 
     @staticmethod
     def _key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> tuple:

@@ -34,6 +34,7 @@ from contextlib import ExitStack, contextmanager
 from typing import Any, Protocol
 
 import torch
+import torch.cuda.comm  # a submodule torch 2.11 does not import by itself
 
 # How long a blocked wait sleeps before re-checking the stop flags (waits are also woken on every change).
 _POLL_S = 0.5

@@ -130,7 +130,13 @@ class _staging_dir:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
-            os.replace(self.tmp, self.path)
+            try:
+                os.replace(self.tmp, self.path)
+            except OSError:
+                if not self.path.is_dir():
+                    raise
+                # Another process built the same world first (same seed: same content): keep theirs.
+                shutil.rmtree(self.tmp, ignore_errors=True)
         else:
             shutil.rmtree(self.tmp, ignore_errors=True)
 

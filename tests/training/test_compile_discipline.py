@@ -312,6 +312,25 @@ def test_stray_shape_layout_or_grad_mode_is_a_clear_error_not_a_recompile():
     assert stats.compiled_calls == 1
 
 
+def test_a_caller_under_autocast_hits_the_entries_warmed_without_it():
+    """The trainer calls attention inside autocast, the warm-up does not; dynamo guards on the autocast state,
+    so without one fixed state per call every steady-state call would recompile (stance: a loud failure)."""
+    shapes = SHAPES[:1]
+    attention = make_attention(1, shapes=shapes, grad_modes=(False,))
+    q, k, v = projected_qkv(shapes[0], torch.device("cpu"), torch.float32, False)
+    mask = warmup_block_mask(shapes[0], torch.device("cpu"))
+    try:
+        attention.warm_up("cpu", warmup_block_mask, projected_qkv)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            out = attention(q, k, v, mask)
+        stats = attention.stats()
+    finally:
+        attention.close()
+    assert out.dtype == torch.float32
+    assert stats.compiles_after_warmup == 0
+    assert stats.compiled_calls == 1
+
+
 def test_a_recompile_past_the_shape_check_fails_loudly_after_warmup():
     """The second net: a recompile the shape check cannot see (k and v the same tensor: dynamo guards on
     aliasing) meets the fail_on_recompile stance, set process-wide once every thread passed the barrier."""
