@@ -9,13 +9,14 @@ import inspect
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from gpuctl import commands, render, ssh
+from gpuctl import __version__, commands, render, ssh
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
-from gpuctl.runs import State, parse_run_ref, parse_signal
+from gpuctl.runs import RUN_REF, State, parse_run_ref, parse_signal
 from gpuctl.target import TargetFlags, remember, resolve
 
 # Newer Typer releases vendor their own click: take its exceptions from the module Typer's own come from.
@@ -25,7 +26,7 @@ NoArgsIsHelp = getattr(click_exceptions, "NoArgsIsHelpError", ())
 app = typer.Typer(
     name="gpuctl",
     help="Launch, follow and control training runs inside Proxmox LXC containers over SSH.",
-    add_completion=False,
+    add_completion=True,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
@@ -51,11 +52,26 @@ TARGET_PARAMS = [
                                                          rich_help_panel=TARGET_HELP)]),
     ("connect_timeout", Annotated[float | None, typer.Option(metavar="SECONDS", help="seconds to wait for the host [default 10]",
                                                                 rich_help_panel=TARGET_HELP)]),
+    ("profile", Annotated[str | None, typer.Option(metavar="NAME", help="a [profiles.NAME] table of "
+                                                   "$XDG_CONFIG_HOME/gpuctl/config.toml [env GPUCTL_PROFILE]",
+                                                   rich_help_panel=TARGET_HELP)]),
 ]
 TargetArg = Annotated[str | None, typer.Argument(metavar="TARGET", help="[USER@]HOST[:PORT][/CTID], instead of the options",
                                                     show_default=False)]
 RunOpt = Annotated[str | None, typer.Option("--run", metavar="N", help="run number (7 or tl7); default: the latest")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON document on stdout, nothing else there")]
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"gpuctl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="print gpuctl's version and exit")] = False) -> None:
+    """Launch, follow and control training runs inside Proxmox LXC containers over SSH."""
 
 
 def with_target(func: Callable) -> Callable:
@@ -80,15 +96,21 @@ def with_target(func: Callable) -> Callable:
 @with_target
 def launch(
     flags: TargetFlags,
-    config: Annotated[str, typer.Option(metavar="PRESET|PATH", help="trainer preset name, or a config file (a local file is "
-                                             "staged)")] = "tiny",
+    config: Annotated[str | None, typer.Option(metavar="PRESET|PATH", help="trainer preset name, or a config file (a local "
+                                                    "file is staged) [default: tiny, or the resumed run's]")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", metavar="KEY=VALUE", help="override a config value: KEY=VALUE "
                                                                     "(repeatable)")] = None,
-    python: Annotated[str, typer.Option(metavar="PATH", help="Python interpreter in the container")] = "python3",
-    workdir: Annotated[str, typer.Option(metavar="DIR", help="the run's working directory in the container")] = "/workspace",
-    log_dir: Annotated[str, typer.Option(metavar="DIR", help="where train_tlN.log goes in the container")] = "/workspace",
+    python: Annotated[str | None, typer.Option(metavar="PATH", help="Python interpreter in the container "
+                                                 "[default: python3]")] = None,
+    workdir: Annotated[str | None, typer.Option(metavar="DIR", help="the run's working directory in the container "
+                                                  "[default: /workspace]")] = None,
+    log_dir: Annotated[str | None, typer.Option(metavar="DIR", help="where train_tlN.log goes in the container "
+                                                  "[default: /workspace]")] = None,
     keep_compile_cache: Annotated[bool, typer.Option("--keep-compile-cache", help="keep /tmp/torchinductor_root")] = False,
     replace: Annotated[bool, typer.Option("--replace", help="kill the active run first instead of refusing")] = False,
+    resume: Annotated[str | None, typer.Option("--resume", metavar="[RUN]", help="continue RUN (default: the latest) "
+                                               "from its checkpoints: its config, sets and directories, the trainer's "
+                                               "--resume, a new log")] = None,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="stream the log until the run ends; exit "
                                                                 "with its outcome")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print what would run, run nothing")] = False,
@@ -97,14 +119,18 @@ def launch(
     """Start a training run in the container, detached; print its id, pid and log."""
     if json_ and follow:
         raise usage_error("--json and --follow cannot be combined (the log goes to stdout)")
+    if resume is not None and dry_run:
+        raise usage_error("--dry-run cannot show a --resume (the resumed run's record is in the container)")
     target = resolve(flags)
     opts = commands.LaunchOptions(config=config, sets=set_ or [], python=python, workdir=workdir,
-                                  log_dir=log_dir, keep_compile_cache=keep_compile_cache, replace=replace)
+                                  log_dir=log_dir, keep_compile_cache=keep_compile_cache, replace=replace,
+                                  resume=None if resume is None else parse_run_ref(resume or None))
     if dry_run:
         sys.stdout.write(commands.plan_launch(target, opts))
         return ExitCode.OK
+    progress = None if json_ else (lambda total: render.TransferProgress(total, "staging"))
     with commands.connected(target) as ct:
-        result = commands.launch(ct, target, opts, notify=render.message)
+        result = commands.launch(ct, target, opts, notify=render.message, progress=progress)
         remember(target)
         render.launch_result(result, as_json=json_, to_stderr=follow, show_tail=not follow)
         if follow:  # the whole log, even when the run already ended during the start check
@@ -116,7 +142,7 @@ def launch(
 
 def _follow(ct: commands.Container, run_number: int, lines: int | None, offset: int | None) -> int:
     try:
-        run = commands.follow_log(ct, run_number, lines, render.write_bytes, offset=offset)
+        run = commands.follow_log(ct, run_number, lines, render.write_bytes, offset=offset, notify=render.message)
     except KeyboardInterrupt:
         raise GpuctlError("detached; the run goes on (gpuctl logs -f follows it again)",
                           ExitCode.INTERRUPTED) from None
@@ -145,11 +171,50 @@ def logs(
 
 @app.command()
 @with_target
-def status(flags: TargetFlags, run: RunOpt = None, json_: JsonOpt = False) -> int:
-    """The container, the run (state, pid, log, progress) and the GPUs."""
+def status(
+    flags: TargetFlags,
+    run: RunOpt = None,
+    watch: Annotated[bool, typer.Option("--watch", "-w", help="refresh in place until Ctrl-C")] = False,
+    interval: Annotated[float, typer.Option(metavar="SECONDS", help="seconds between refreshes with --watch",
+                                            min=0.1)] = 2.0,
+    json_: JsonOpt = False,
+) -> int:
+    """The container, the run (state, pid, log, progress, loss) and the GPUs; exit 4 if the container is not
+    running (after showing that)."""
+    if watch and json_:
+        raise usage_error("--watch is for a terminal; --json gives one document (run it again to refresh)")
     number = parse_run_ref(run)
     with commands.connected(resolve(flags)) as ct:
-        render.status_report(commands.status(ct, number), as_json=json_)
+        if watch:
+            try:
+                render.watch_status(lambda: commands.reconnecting(ct, lambda: commands.status(ct, number),
+                                                                  render.message), interval)
+            except KeyboardInterrupt:
+                raise GpuctlError("stopped watching", ExitCode.INTERRUPTED) from None
+        report = commands.status(ct, number)
+        render.status_report(report, as_json=json_)
+    if report.container_status != "running":
+        raise GpuctlError(f"container {report.ctid} on {report.host} is not running ({report.container_status}; "
+                          f"start it: pct start {report.ctid})", ExitCode.CONTAINER)
+    return ExitCode.OK
+
+
+@app.command()
+@with_target
+def plot(
+    flags: TargetFlags,
+    output: Annotated[Path, typer.Option("--output", "-o", metavar="FILE.png", help="the image to write (.png, "
+                                         ".svg or .pdf)")],
+    run: RunOpt = None,
+) -> int:
+    """Draw a run's loss and tokens/s against step (with the runs it resumed) into an image."""
+    from gpuctl import plot as plotting  # matplotlib only when asked for
+
+    plotting.check_output(output)
+    with commands.connected(resolve(flags)) as ct:
+        history = commands.metrics_history(ct, parse_run_ref(run))
+    points = plotting.draw(history, output)
+    render.message(f"wrote {output} ({points} points of {history.runs[-1].run_id})")
     return ExitCode.OK
 
 
@@ -178,9 +243,24 @@ def kill(
     return ExitCode.OK
 
 
+def _bare_resume(argv: list[str]) -> list[str]:
+    """Typer has no option with an optional value: `launch --resume` not followed by a run number becomes
+    `--resume=` (the latest run)."""
+    if "launch" not in argv:
+        return argv
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + argv[i:]
+        following = argv[i + 1] if i + 1 < len(argv) else None
+        out.append("--resume=" if arg == "--resume" and not (following and RUN_REF.match(following)) else arg)
+    return out
+
+
 def run(argv: list[str] | None = None) -> int:
     """Run gpuctl with these arguments; return its exit code (tests call this in-process)."""
     command = typer.main.get_command(app)
+    argv = _bare_resume(sys.argv[1:] if argv is None else list(argv))
     try:
         return int(command.main(args=argv, prog_name="gpuctl", standalone_mode=False) or 0)
     except GpuctlError as e:

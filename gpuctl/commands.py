@@ -8,13 +8,15 @@ from __future__ import annotations
 import getpass
 import json
 import os
+import re
 import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
+from typing import Any, TypeVar
 
 from tenacity import RetryError, retry, retry_if_result, stop_after_delay, wait_exponential
 
@@ -26,31 +28,72 @@ from gpuctl.container import (
     SCRIPT_NO_PYTHON,
     STAGE_DIR,
     Container,
+    ContainerNotRunning,
     parse_sections,
 )
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
-from gpuctl.runs import LINUX_SIGNALS, Inspection, Run, State, parse_inspection
-from gpuctl.staging import Package, build_package
+from gpuctl.runs import LINUX_SIGNALS, Inspection, Run, State, parse_inspection, parse_metrics_lines
+from gpuctl.ssh import ConnectionLost
+from gpuctl.staging import (
+    Package,
+    PackageFile,
+    StagePlan,
+    build_package,
+    file_from_bytes,
+    parse_manifest,
+    plan_stage,
+)
 from gpuctl.target import Target
 
 Notify = Callable[[str], None]
 Write = Callable[[bytes], None]
-START_TIMEOUT_S = float(os.environ.get("GPUCTL_START_TIMEOUT", "30"))
+Progress = Callable[[int], None]  # bytes just sent
+T = TypeVar("T")
+
+
+def _seconds(name: str, default: float) -> float:
+    return float(os.environ.get(name, default))
+
+
+START_TIMEOUT_S = _seconds("GPUCTL_START_TIMEOUT", 30)
+# How long the container's side of a launch waits for gpuctl's reply while it holds the launch lock.
+LOCK_REPLY_S = _seconds("GPUCTL_LOCK_REPLY_TIMEOUT", 120)
+RECONNECT_S = _seconds("GPUCTL_RECONNECT_TIMEOUT", 60)  # a follower's time to get a lost connection back
+HEARTBEAT_S = _seconds("GPUCTL_HEARTBEAT", 5)  # `logs --follow` hears from the container at least this often
 KILL_VERIFY_S = 10.0  # after SIGKILL, how long the group may take to disappear
 LAUNCH_TAIL_LINES = 20
+LOSS_HISTORY_POINTS = 60  # losses `status` fetches for its sparkline
 
 
 @contextmanager
 def connected(target: Target) -> Iterator[Container]:
-    """One SSH connection for the whole invocation."""
-    with ssh.connect(target) as session:
-        yield Container(session=session, ctid=target.ct, host=target.host)
+    """One SSH connection for the whole invocation (a follower may replace it after a drop)."""
+    ct = Container(session=ssh.connect(target), target=target)
+    try:
+        yield ct
+    finally:
+        ct.session.close()
+
+
+def reconnecting(ct: Container, action: Callable[[], T], notify: Notify, within_s: float = RECONNECT_S) -> T:
+    """Run action; when the connection drops, reconnect (with backoff, for up to within_s) and run it again."""
+    while True:
+        try:
+            return action()
+        except ConnectionLost as lost:
+            notify(f"{lost}; reconnecting (for up to {within_s:g} s)")
+            try:
+                ct.reconnect(within_s)
+            except GpuctlError as e:
+                raise GpuctlError(f"{lost}, and no new connection within {within_s:g} s ({e})",
+                                  ExitCode.HOST) from None
+            notify(f"reconnected to {ct.session.endpoint.describe()}")
 
 
 def inspect(ct: Container, run_number: int = 0, *, all_runs: bool = False, gpus: bool = False,
-            tail_lines: int = 0, rest_from: int | None = None) -> Inspection:
+            tail_lines: int = 0, rest_from: int | None = None, history: int = 0) -> Inspection:
     result = ct.run("inspect", run_number=run_number, all_runs=all_runs, gpus=gpus, tail_lines=tail_lines,
-                    rest_from=rest_from)
+                    rest_from=rest_from, history=history)
     if result.rc != 0:
         raise ct.failure(result, "reading the run records")
     return parse_inspection(parse_sections(result.stdout))
@@ -58,23 +101,34 @@ def inspect(ct: Container, run_number: int = 0, *, all_runs: bool = False, gpus:
 
 # launch ---------------------------------------------------------------------------------------------------
 
+DEFAULTS = {"config": "tiny", "python": "python3", "workdir": "/workspace", "log_dir": "/workspace"}
+
+
 @dataclass
 class LaunchOptions:
-    config: str = "tiny"
+    config: str | None = None  # None: "tiny", or the resumed run's
     sets: list[str] = field(default_factory=list)
-    python: str = "python3"
-    workdir: str = "/workspace"
-    log_dir: str = "/workspace"
+    python: str | None = None
+    workdir: str | None = None
+    log_dir: str | None = None
     keep_compile_cache: bool = False
     replace: bool = False
+    resume: int | None = None  # a run number to continue (0: the latest run)
 
 
 @dataclass
 class LaunchResult:
     run: Run
     package: Package
+    plan: StagePlan
+    sent_file_bytes: int  # what the SSH layer counted for the changed files
     tail: bytes = b""  # the log's last lines when the run ended during the start check
-    replaced: KillResult | None = None
+    replaced: list[KillResult] = field(default_factory=list)
+    resumed_from: int | None = None
+
+    def staging_json(self) -> dict[str, Any]:
+        return {"files": len(self.package.files), "bytes": self.package.size, "digest": self.package.digest,
+                "sent_files": self.plan.changed, "sent_bytes": self.sent_file_bytes}
 
 
 def _remote_dir(value: str, option: str) -> str:
@@ -86,86 +140,149 @@ def _remote_dir(value: str, option: str) -> str:
 
 
 def _check_launch_options(opts: LaunchOptions) -> tuple[LaunchOptions, Path | None]:
+    """Validate; fill what is not given from the defaults. Returns the options and the local config file."""
     for item in opts.sets:
         key, eq, _ = item.partition("=")
         if not eq or not key.strip():
             raise usage_error(f"--set takes KEY=VALUE, got {item!r}")
         if "\n" in item or "\0" in item:
             raise usage_error(f"--set value must not contain NUL or newline characters: {item!r}")
-    if not opts.config or not opts.python:
+    config, python = opts.config or DEFAULTS["config"], opts.python or DEFAULTS["python"]
+    if opts.config == "" or opts.python == "":
         raise usage_error("--config and --python must not be empty")
-    local = Path(opts.config).expanduser()
-    config_file = local if local.is_file() else None
-    config = f"{STAGE_DIR}/configs/{local.name}" if config_file else opts.config
-    checked = LaunchOptions(config=config, sets=list(opts.sets), python=opts.python,
-                            workdir=_remote_dir(opts.workdir, "--workdir"),
-                            log_dir=_remote_dir(opts.log_dir, "--log-dir"),
-                            keep_compile_cache=opts.keep_compile_cache, replace=opts.replace)
+    local = Path(config).expanduser()
+    config_file = local if local.is_file() and not config.startswith(f"{STAGE_DIR}/") else None
+    checked = replace(opts, config=f"{STAGE_DIR}/configs/{local.name}" if config_file else config, python=python,
+                      workdir=_remote_dir(opts.workdir or DEFAULTS["workdir"], "--workdir"),
+                      log_dir=_remote_dir(opts.log_dir or DEFAULTS["log_dir"], "--log-dir"), sets=list(opts.sets))
     return checked, config_file
 
 
-def _launch_values(target: Target, opts: LaunchOptions, package: Package) -> dict:
+def resume_options(opts: LaunchOptions, record: dict[str, Any]) -> LaunchOptions:
+    """A resumed run: the run's own config, sets, interpreter, directories; what the command line gives wins,
+    and its --set values come after the run's (so they override them)."""
+    log_path = record.get("log_path") or ""
+    return replace(opts, config=opts.config or record.get("config"),
+                   sets=[*record.get("sets", []), *opts.sets], python=opts.python or record.get("python"),
+                   workdir=opts.workdir or record.get("workdir"),
+                   log_dir=opts.log_dir or (str(PurePosixPath(log_path).parent) if log_path else None))
+
+
+def _holder() -> str:
+    who = f"{getpass.getuser()}@{socket.gethostname()}"
+    return f"{who} (gpuctl pid {os.getpid()}, since {datetime.now(timezone.utc).isoformat(timespec='seconds')})"
+
+
+def _script_values(target: Target, opts: LaunchOptions) -> dict[str, Any]:
     record_fields = {
         "host": target.host, "container": target.ct, "config": opts.config, "sets": opts.sets,
-        "python": opts.python, "workdir": opts.workdir, "package_digest": package.digest,
+        "python": opts.python, "workdir": opts.workdir,
         "launched_by": f"{getpass.getuser()}@{socket.gethostname()}", "gpuctl_version": __version__,
     }
-    holder = (f"{record_fields['launched_by']} (gpuctl pid {os.getpid()}, since "
-              f"{datetime.now(timezone.utc).isoformat(timespec='seconds')})")
-    run_sh = _render_run_sh(opts)
+    if opts.resume:
+        record_fields.update(resumed_from=opts.resume)
+    reply_timeout = LOCK_REPLY_S + (2 * 30.0 + KILL_VERIFY_S if opts.replace else 0)
     return {
         "stage_dir": STAGE_DIR, "log_dir": opts.log_dir, "workdir": opts.workdir, "python": opts.python,
-        "keep_compile_cache": opts.keep_compile_cache, "holder": holder, "payload": package.payload_b64,
-        "run_sh": run_sh, "wrapper_sh": scripts.render("wrapper.sh", records_dir=RECORDS_DIR),
-        "log_prefix": json.dumps(f"{opts.log_dir.rstrip('/')}/train_tl")[:-1],
+        "keep_compile_cache": opts.keep_compile_cache, "holder": _holder(), "reply_timeout": int(reply_timeout),
+        "resume_run": 0, "log_prefix": json.dumps(f"{opts.log_dir.rstrip('/')}/train_tl")[:-1],
         "record_fields": json.dumps(record_fields)[1:-1],
     }
 
 
-def _render_run_sh(opts: LaunchOptions) -> str:
-    return scripts.render("run.sh", stage_dir=STAGE_DIR, workdir=opts.workdir, python=opts.python,
-                          config=opts.config, sets=opts.sets)
+def _package(config_file: Path | None, opts: LaunchOptions) -> Package:
+    """The trainer (and local config), this launch's run.sh, and the wrapper."""
+    run_sh = scripts.render("run.sh", stage_dir=STAGE_DIR, workdir=opts.workdir, python=opts.python,
+                            config=opts.config, sets=opts.sets, resume=opts.resume is not None)
+    wrapper = scripts.render("wrapper.sh", records_dir=RECORDS_DIR)
+    return build_package(config_file).with_files([file_from_bytes("run.sh", run_sh.encode(), 0o755),
+                                                  file_from_bytes("gpuctl-wrapper.sh", wrapper.encode(), 0o755)])
+
+
+def _kept_config(package: Package, opts: LaunchOptions, remote: dict[str, str]) -> Package:
+    """A resumed run whose config is a staged file: keep the container's copy (it is not on this machine)."""
+    name = opts.config.removeprefix(f"{STAGE_DIR}/")
+    if opts.resume is None or name == opts.config or name in package.files:
+        return package
+    return package.with_files([PackageFile(name, remote.get(name, ""), None)])
 
 
 def plan_launch(target: Target, opts: LaunchOptions) -> str:
-    """What `launch --dry-run` shows: the command and the script, with the package summarised."""
+    """What `launch --dry-run` shows: the command, the script, and the package it would stage."""
     opts, config_file = _check_launch_options(opts)
-    package = build_package(config_file)
-    values = _launch_values(target, opts, package)
-    values["payload"] = f"<{len(package.files)} files, {package.size} bytes, sha256 {package.digest[:12]}>"
-    values["wrapper_sh"] = "<templates/wrapper.sh.j2>"
+    package = _package(config_file, opts)
     command = scripts.render("pct_exec", ctid=target.ct).strip()
-    script = scripts.render("launch.sh", records_dir=RECORDS_DIR, **values)
+    script = scripts.render("launch.sh", records_dir=RECORDS_DIR, **_script_values(target, opts))
+    files = package.files
     return (f"# on {target.host}: {command}   (script on stdin)\n{script}\n"
-            f"# {STAGE_DIR}/run.sh will be:\n{values['run_sh']}")
+            f"# then, only the files the container lacks of the package ({len(files)} files, {package.size} bytes, "
+            f"sha256 {package.digest[:12]}); {STAGE_DIR}/run.sh will be:\n"
+            f"{files['run.sh'].data.decode()}")
 
 
-def launch(ct: Container, target: Target, opts: LaunchOptions, notify: Notify) -> LaunchResult:
+def _active_conflict(ct: Container, sections: list[tuple[str, bytes]]) -> GpuctlError:
+    number = next(v.decode() for k, v in sections if k == "active")
+    record = json.loads(next((v for k, v in sections if k == "active_record"), b"{}") or b"{}")
+    by = f" (launched by {record['launched_by']})" if record.get("launched_by") else ""
+    return GpuctlError(f"run tl{number} is active in CT {ct.ctid}{by}: stop it (gpuctl kill --run {number}) "
+                       "or launch with --replace", ExitCode.CONFLICT)
+
+
+def launch(ct: Container, target: Target, opts: LaunchOptions, notify: Notify,
+           progress: Callable[[int], Progress] | None = None) -> LaunchResult:
+    """Start a run. progress(total) gives the callback that hears of every chunk of changed files sent."""
+    resumed = None
+    if opts.resume is not None:
+        found = inspect(ct, opts.resume).runs
+        if not found:
+            raise usage_error(f"no runs in CT {ct.ctid} to resume")
+        resumed = found[0]
+        opts = resume_options(replace(opts, resume=resumed.number), resumed.record)
     opts, config_file = _check_launch_options(opts)
-    package = build_package(config_file)
-    values = _launch_values(target, opts, package)
-    replaced = None
-    result = ct.run("launch", **values)
-    if result.rc == SCRIPT_ACTIVE and opts.replace:
-        active = int(dict(parse_sections(result.stdout))["active"])
-        notify(f"--replace: killing tl{active} first")
-        replaced = kill(ct, active, "TERM", grace=30.0, notify=notify)
-        result = ct.run("launch", **values)
+    package = _package(config_file, opts)
+    remote = ct.start("launch", **_script_values(target, opts))
+    head, waiting = remote.read_until(b"@@waiting 0\n\n")
+    if not waiting:  # the script ended before it could stage
+        result = ct.finish(remote)
+        sections = dict(parse_sections(head + result.stdout))
+        if result.rc == SCRIPT_LOCKED:
+            holder = sections.get("holder", b"").decode(errors="replace").strip() or "unknown"
+            raise GpuctlError(f"another launch holds CT {ct.ctid}'s launch lock: {holder}", ExitCode.CONFLICT)
+        if result.rc == SCRIPT_NO_PYTHON:
+            raise usage_error(f"{opts.python!r} not found in CT {ct.ctid}: pass --python PATH")
+        raise ct.failure(result, "launch")
+    sections = parse_sections(head)
+    found = dict(sections)
+    if "recovered" in found:
+        notify(f"took over CT {ct.ctid}'s launch lock from a launch that overran its deadline: "
+               f"{found['recovered'].decode(errors='replace')}")
+    replaced = []
+    if "active" in found:
+        if not opts.replace:
+            remote.send(b"abort\n")
+            remote.close_stdin()
+            ct.finish(remote)
+            raise _active_conflict(ct, sections)
+        for number in [int(v) for k, v in sections if k == "active"]:
+            notify(f"--replace: killing tl{number} first")
+            replaced.append(kill(ct, number, "TERM", grace=30.0, notify=notify))
+    current = parse_manifest(found.get("manifest", b""))
+    package = _kept_config(package, opts, current)
+    plan = plan_stage(package, current)
+    sent_before = ssh.STATS.sent["files"]
+    remote.send(f"go {plan.changed_bytes}\n".encode() + package.manifest() + b"\n")
+    remote.send(plan.archive, kind="files", progress=progress(plan.changed_bytes) if progress else None)
+    remote.close_stdin()
+    result = ct.finish(remote)
     sections = dict(parse_sections(result.stdout))
-    if result.rc == SCRIPT_LOCKED:
-        holder = sections.get("holder", b"").decode(errors="replace").strip() or "unknown"
-        raise GpuctlError(f"another launch holds CT {ct.ctid}'s launch lock: {holder}", ExitCode.CONFLICT)
     if result.rc == SCRIPT_ACTIVE:
-        active = sections["active"].decode()
-        raise GpuctlError(f"run tl{active} is active in CT {ct.ctid}: stop it (gpuctl kill --run {active}) "
-                          "or launch with --replace", ExitCode.CONFLICT)
-    if result.rc == SCRIPT_NO_PYTHON:
-        raise usage_error(f"{opts.python!r} not found in CT {ct.ctid}: pass --python PATH")
+        raise _active_conflict(ct, list(parse_sections(result.stdout)))
     if result.rc != 0 or "record" not in sections:
         raise ct.failure(result, "launch")
     number = json.loads(sections["record"])["number"]
     run, tail = wait_until_started(ct, number)
-    return LaunchResult(run=run, package=package, tail=tail, replaced=replaced)
+    return LaunchResult(run=run, package=package, plan=plan, sent_file_bytes=ssh.STATS.sent["files"] - sent_before,
+                        tail=tail, replaced=replaced, resumed_from=resumed.number if resumed else None)
 
 
 def wait_until_started(ct: Container, number: int) -> tuple[Run, bytes]:
@@ -221,26 +338,69 @@ def parse_gpus(csv: bytes | None) -> list[Gpu]:
 class StatusReport:
     ctid: int
     host: str
+    container_status: str  # "running", or "stopped" (then nothing inside it could be read)
     run: Run | None
     gpus: list[Gpu]
+    losses: list[float] = field(default_factory=list)  # a sample of the run's losses, oldest first
 
     def to_json(self) -> dict:
         keys = ("run_id", "state", "exit_code", "pid", "pgid", "started_at", "ended_at", "elapsed_s", "log_path",
-                "log_size", "progress", "config", "killed_signal")
+                "log_size", "progress", "config", "killed_signal", "resumed_from")
         doc = self.run.to_json() if self.run else dict.fromkeys(keys)
         doc["gpus"] = [g.to_json() for g in self.gpus]
-        doc["container"] = {"ctid": self.ctid, "status": "running", "host": self.host}
+        doc["container"] = {"ctid": self.ctid, "status": self.container_status, "host": self.host}
         return doc
 
 
 def status(ct: Container, run_number: int = 0) -> StatusReport:
-    inspection = inspect(ct, run_number, gpus=True)
-    return StatusReport(ctid=ct.ctid, host=ct.host, run=inspection.runs[0] if inspection.runs else None,
-                        gpus=parse_gpus(inspection.gpus_csv))
+    try:
+        inspection = inspect(ct, run_number, gpus=True, history=LOSS_HISTORY_POINTS)
+    except ContainerNotRunning:
+        return StatusReport(ctid=ct.ctid, host=ct.host, container_status="stopped", run=None, gpus=[])
+    run = inspection.runs[0] if inspection.runs else None
+    history = parse_metrics_lines(inspection.histories.get(run.number, b"")) if run else []
+    by_step = {r["step"]: r["loss"] for r in history if isinstance(r.get("loss"), (int, float))}  # last line twice
+    losses = [by_step[step] for step in sorted(by_step)]
+    return StatusReport(ctid=ct.ctid, host=ct.host, container_status="running", run=run,
+                        gpus=parse_gpus(inspection.gpus_csv), losses=losses)
 
 
 def list_runs(ct: Container) -> list[Run]:
     return inspect(ct, all_runs=True).runs
+
+
+@dataclass
+class MetricsHistory:
+    """A run's metrics records, with those of the runs it resumed (oldest run first)."""
+
+    runs: list[Run]
+    records: list[dict[str, Any]]  # by step; a resumed run's records replace its predecessor's from its first step
+    resumed_at: list[int]  # the first step of each resumed run
+
+
+def metrics_history(ct: Container, run_number: int = 0) -> MetricsHistory:
+    result = ct.run("metrics", run_number=run_number)
+    if result.rc != 0:
+        raise ct.failure(result, "reading the metrics")
+    chain: list[tuple[Run, list[dict]]] = []
+    number = None
+    for name, value in parse_sections(result.stdout):
+        if name == "run":
+            number = int(value)
+        elif name == "record":
+            record = json.loads(value)
+        elif name == "metrics":
+            chain.append((Run(number=number, record=record, alive=False), parse_metrics_lines(value)))
+    chain.reverse()  # the script walks from the run back to the one it resumed
+    records: list[dict] = []
+    resumed_at = []
+    for i, (_, lines) in enumerate(chain):
+        steps = [r["step"] for r in lines]
+        if i and steps:
+            resumed_at.append(min(steps))
+            records = [r for r in records if r["step"] < min(steps)]
+        records += lines
+    return MetricsHistory([run for run, _ in chain], records, resumed_at)
 
 
 # kill -----------------------------------------------------------------------------------------------------
@@ -301,46 +461,58 @@ def kill(ct: Container, run_number: int, signal_name: str, grace: float, notify:
 # logs -----------------------------------------------------------------------------------------------------
 
 def print_log(ct: Container, run_number: int, lines: int | None, write: Write) -> None:
-    result = ct.stream("logs", on_stdout=write, run_number=run_number, follow=False, lines=lines, offset=0)
+    result = ct.stream("logs", on_stdout=write, run_number=run_number, follow=False, lines=lines, offset=0,
+                       heartbeat_s=HEARTBEAT_S)
     if result.rc != 0:
         raise ct.failure(result, "reading the log")
 
 
-def follow_log(ct: Container, run_number: int, lines: int | None, write: Write,
-               offset: int | None = None) -> Run:
-    """Stream the run's log until the run ends; every byte exactly once. Returns the ended run."""
-    received = 0
+FOLLOW_HEADER = re.compile(rb"@@follow (\d+) (\d+)\n")
 
-    def counting(data: bytes) -> None:
-        nonlocal received
-        received += len(data)
-        write(data)
 
-    position = offset
-    number = run_number
-    while True:
-        received = 0
-        result = ct.stream("logs", on_stdout=counting, run_number=number, follow=True,
-                           lines=lines if position is None else None, offset=position or 0)
-        if result.rc != 0:
+def follow_log(ct: Container, run_number: int, lines: int | None, write: Write, offset: int | None = None,
+               notify: Notify = lambda _: None, reconnect_s: float = RECONNECT_S) -> Run:
+    """Stream the run's log until the run ends; every byte exactly once, across dropped connections (which are
+    reconnected, and the stream resumed at the byte offset already written). Returns the ended run."""
+    position, number = offset, run_number
+
+    def follow_once() -> Run:
+        nonlocal position, number
+        received, stderr = 0, bytearray()
+        header: list[int] = []
+
+        def on_stdout(data: bytes) -> None:
+            nonlocal received
+            write(data)
+            received += len(data)
+
+        def on_stderr(data: bytes) -> None:
+            stderr.extend(data)
+            if not header and (m := FOLLOW_HEADER.search(stderr)):
+                header.extend((int(m[1]), int(m[2])))
+
+        try:
+            result = ct.stream("logs", on_stdout=on_stdout, on_stderr=on_stderr, idle_timeout=4 * HEARTBEAT_S,
+                               run_number=number, follow=True, lines=lines if position is None else None,
+                               offset=position or 0, heartbeat_s=HEARTBEAT_S)
+        finally:  # what was written counts, even when the connection dropped half-way
+            if header:
+                number, position = header[0], header[1] + received
+        if result.rc != 0 or not header:
             raise ct.failure(result, "following the log")
-        header = next((line for line in result.stderr.decode(errors="replace").splitlines()
-                       if line.startswith("@@follow ")), None)
-        if header is None:
-            raise ct.failure(result, "following the log")
-        _, run_text, start_text = header.split()
-        number, position = int(run_text), int(start_text) + received
         # tail may not have read the last bytes before the run's end stopped it: fetch them from the offset.
         inspection = inspect(ct, number, rest_from=position)
         rest = inspection.rests.get(number, b"")
         if rest:
             write(rest)
             position += len(rest)
-        run = inspection.runs[0]
+        return inspection.runs[0]
+
+    while True:
+        run = reconnecting(ct, follow_once, notify, reconnect_s)
         if not run.state.active:
             return run
 
 
 def follow_exit_code(run: Run) -> ExitCode:
     return ExitCode.OK if run.state == State.SUCCEEDED else ExitCode.RUN_FAILED
-

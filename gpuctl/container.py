@@ -9,9 +9,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gpuctl import scripts
+from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from gpuctl import scripts, ssh
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
-from gpuctl.ssh import Completed, Session
+from gpuctl.ssh import Completed, ConnectionLost, RemoteCommand, Session, Unreachable
+from gpuctl.target import Target
 
 RECORDS_DIR = "/workspace/.gpuctl"
 STAGE_DIR = "/root/gpuctl"
@@ -19,6 +22,11 @@ PCT_MISSING = re.compile(r"Configuration file '\S+/lxc/(\d+)\.conf' does not exi
 PCT_NOT_RUNNING = re.compile(r"container '(\d+)' not running")
 # Exit codes of gpuctl's own scripts (templates/*.sh.j2).
 SCRIPT_LOCKED, SCRIPT_ACTIVE, SCRIPT_NO_PYTHON, SCRIPT_NO_RUN, SCRIPT_LOG_GONE = 75, 76, 77, 78, 79
+
+
+class ContainerNotRunning(GpuctlError):
+    def __init__(self, message: str):
+        super().__init__(message, ExitCode.CONTAINER)
 
 
 def parse_sections(data: bytes) -> list[tuple[str, bytes]]:
@@ -38,8 +46,15 @@ def parse_sections(data: bytes) -> list[tuple[str, bytes]]:
 @dataclass
 class Container:
     session: Session
-    ctid: int
-    host: str
+    target: Target
+
+    @property
+    def ctid(self) -> int:
+        return self.target.ct
+
+    @property
+    def host(self) -> str:
+        return self.target.host
 
     def command(self) -> str:
         return scripts.render("pct_exec", ctid=self.ctid).strip()
@@ -51,10 +66,33 @@ class Container:
         """Run templates/TEMPLATE.sh.j2 in the container and collect its output."""
         return self._checked(self.session.run(self.command(), self.script(template, **values).encode()))
 
-    def stream(self, template: str, on_stdout: Callable[[bytes], None], **values: Any) -> Completed:
-        """Run a script whose stdout goes to on_stdout as it arrives."""
-        result = self.session.stream(self.command(), self.script(template, **values).encode(), on_stdout)
+    def stream(self, template: str, on_stdout: Callable[[bytes], None],
+               on_stderr: Callable[[bytes], None] | None = None, idle_timeout: float | None = None,
+               **values: Any) -> Completed:
+        """Run a script whose output goes to the callbacks as it arrives."""
+        result = self.session.stream(self.command(), self.script(template, **values).encode(), on_stdout,
+                                     on_stderr, idle_timeout)
         return self._checked(result)
+
+    def start(self, template: str, **values: Any) -> RemoteCommand:
+        """Start a script that converses: it reads more of its stdin after the script itself."""
+        remote = self.session.start(self.command())
+        remote.send(self.script(template, **values).encode())
+        return remote
+
+    def finish(self, remote: RemoteCommand) -> Completed:
+        return self._checked(remote.finish())
+
+    def reconnect(self, within_s: float) -> None:
+        """A new connection in place of a lost one, retried with backoff for up to within_s seconds."""
+        self.session.close()
+
+        @retry(stop=stop_after_delay(within_s), wait=wait_exponential(multiplier=0.1, max=2.0),
+               retry=retry_if_exception_type((Unreachable, ConnectionLost)), reraise=True)
+        def attempt() -> Session:
+            return ssh.connect(self.target, reset_stats=False)
+
+        self.session = attempt()
 
     def _checked(self, result: Completed) -> Completed:
         if result.rc == 0:
@@ -64,8 +102,8 @@ class Container:
             raise GpuctlError(f"container {self.ctid} does not exist on {self.host} ({err.strip()})",
                               ExitCode.CONTAINER)
         if PCT_NOT_RUNNING.search(err):
-            raise GpuctlError(f"container {self.ctid} on {self.host} is not running (start it: pct start "
-                              f"{self.ctid})", ExitCode.CONTAINER)
+            raise ContainerNotRunning(f"container {self.ctid} on {self.host} is not running (start it: pct start "
+                                      f"{self.ctid})")
         if result.rc == 127 and "pct" in err:
             raise GpuctlError(f"{self.host} has no `pct` command: is it a Proxmox VE host?", ExitCode.HOST)
         if result.rc == SCRIPT_NO_RUN:
@@ -74,6 +112,7 @@ class Container:
 
     def failure(self, result: Completed, what: str) -> GpuctlError:
         """The error for a script that failed in a way its caller does not handle itself."""
-        lines = result.stderr.decode(errors="replace").strip().splitlines()
+        lines = [line for line in result.stderr.decode(errors="replace").strip().splitlines()
+                 if not line.startswith("@@")]  # the scripts' own markers (heartbeats, headers)
         detail = lines[-1] if lines else f"exit code {result.rc}"
         return GpuctlError(f"{what} in CT {self.ctid} failed: {detail}", ExitCode.RUN_FAILED)

@@ -7,21 +7,28 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 from rich.table import Table
 from rich.text import Text
 
 from gpuctl.commands import KillResult, LaunchResult, StatusReport
 from gpuctl.runs import Run, State
 
+SPARK = "▁▂▃▄▅▆▇█"
+PROGRESS_AFTER_S = 0.5  # a transfer shows a progress bar only once it has taken this long
 STATE_STYLE = {State.STARTING: "yellow", State.RUNNING: "green", State.SUCCEEDED: "bold green",
                State.FAILED: "bold red", State.KILLED: "magenta", State.LOST: "red"}
 
 
 def _console(stderr: bool) -> Console:
+    """Rich honours NO_COLOR (and FORCE_COLOR, TTY_INTERACTIVE) from the environment by itself."""
     stream = sys.stderr if stderr else sys.stdout
     # Not a terminal: wide enough that long paths are not wrapped into a pipe.
     return Console(file=stream, stderr=stderr, width=None if stream.isatty() else 160, highlight=False)
@@ -95,7 +102,21 @@ def progress_text(run: Run) -> str:
     return ", ".join(parts)
 
 
-def _run_grid(run: Run) -> Table:
+def sparkline(values: list[float], width: int = 40) -> str:
+    """One line of block characters: values averaged into at most `width` buckets, low to high."""
+    if len(values) < 2:
+        return ""
+    buckets = min(width, len(values))
+    means = []
+    for i in range(buckets):
+        chunk = values[i * len(values) // buckets:(i + 1) * len(values) // buckets] or [values[-1]]
+        means.append(sum(chunk) / len(chunk))
+    low, high = min(means), max(means)
+    span = (high - low) or 1.0
+    return "".join(SPARK[min(int((m - low) / span * len(SPARK)), len(SPARK) - 1)] for m in means)
+
+
+def _run_grid(run: Run, losses: list[float]) -> Table:
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column()
@@ -107,21 +128,25 @@ def _run_grid(run: Run) -> Table:
     grid.add_row("started", f"{started}, {elapsed}")
     grid.add_row("log", f"{run.log_path} ({size(run.log_size)})")
     grid.add_row("progress", progress_text(run))
-    grid.add_row("config", str(run.record.get("config", "-")))
+    if spark := sparkline(losses):
+        grid.add_row("loss", Text.assemble((spark, "cyan"), f"  {losses[0]:.4g} → {losses[-1]:.4g}"))
+    config = str(run.record.get("config", "-"))
+    if run.record.get("resumed_from"):
+        config += f" (resumed tl{run.record['resumed_from']})"
+    grid.add_row("config", config)
     return grid
 
 
-def status_report(report: StatusReport, as_json: bool) -> None:
-    if as_json:
-        json_doc(report.to_json())
-        return
-    out = _console(stderr=False)
-    out.print(Text.assemble(("CT ", "bold"), (str(report.ctid), "bold"), f" on {report.host}: ",
-                            ("running", "green")))
-    if report.run is None:
-        out.print("no runs yet (gpuctl launch starts one)")
-    else:
-        out.print(_run_grid(report.run))
+def status_renderable(report: StatusReport) -> RenderableType:
+    running = report.container_status == "running"
+    parts: list[RenderableType] = [Text.assemble(
+        ("CT ", "bold"), (str(report.ctid), "bold"), f" on {report.host}: ",
+        (report.container_status, "green" if running else "bold red"))]
+    if not running:
+        parts.append(Text(f"the container is {report.container_status}: its runs cannot be read (pct start "
+                          f"{report.ctid} starts it)"))
+        return Group(*parts)
+    parts.append(_run_grid(report.run, report.losses) if report.run else Text("no runs yet (gpuctl launch starts one)"))
     if report.gpus:
         table = Table(box=None, pad_edge=False)
         for name, justify in (("GPU", "right"), ("name", "left"), ("util", "right"), ("memory", "right")):
@@ -130,9 +155,57 @@ def status_report(report: StatusReport, as_json: bool) -> None:
             util = f"{gpu.utilization}%" if gpu.utilization is not None else "-"
             memory = f"{gpu.memory_used_mib} / {gpu.memory_total_mib} MiB"
             table.add_row(str(gpu.index), gpu.name, util, memory)
-        out.print(table)
+        parts.append(table)
     else:
-        out.print("no GPUs visible in the container (nvidia-smi found none)")
+        parts.append(Text("no GPUs visible in the container (nvidia-smi found none)"))
+    return Group(*parts)
+
+
+def status_report(report: StatusReport, as_json: bool) -> None:
+    if as_json:
+        json_doc(report.to_json())
+    else:
+        _console(stderr=False).print(status_renderable(report))
+
+
+def watch_status(fetch: Callable[[], StatusReport], interval: float) -> None:
+    """Refresh the status in place every `interval` seconds until Ctrl-C (KeyboardInterrupt goes to the caller)."""
+    console = _console(stderr=False)
+    with Live(console=console, auto_refresh=False, redirect_stderr=False) as live:
+        while True:
+            report = fetch()
+            footer = Text(f"every {interval:g} s, last {datetime.now().strftime('%H:%M:%S')}; Ctrl-C stops",
+                          style="dim")
+            live.update(Group(status_renderable(report), footer), refresh=True)
+            time.sleep(interval)
+
+
+class TransferProgress:
+    """A progress bar on stderr for a transfer that takes longer than a moment (never for a short one, never
+    when stderr is not a terminal)."""
+
+    def __init__(self, total: int, description: str):
+        self.total, self.description, self.done = total, description, 0
+        self.started = time.monotonic()
+        self._bar: Progress | None = None
+        self._task = None
+
+    def __call__(self, sent: int) -> None:
+        self.done += sent
+        if self._bar is None and time.monotonic() - self.started >= PROGRESS_AFTER_S:
+            console = _console(stderr=True)
+            if not console.is_terminal:
+                return
+            self._bar = Progress("{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                                 console=console, transient=True)
+            self._bar.start()
+            self._task = self._bar.add_task(self.description, total=self.total)
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self.done)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
 
 
 def runs_table(runs: list[Run], ctid: int, host: str, as_json: bool) -> None:
@@ -156,12 +229,16 @@ def runs_table(runs: list[Run], ctid: int, host: str, as_json: bool) -> None:
 def launch_result(result: LaunchResult, as_json: bool, to_stderr: bool, show_tail: bool) -> None:
     run = result.run
     if as_json:
-        json_doc(run.to_json())
+        json_doc(dict(run.to_json(), staging=result.staging_json()))
     out = _console(stderr=to_stderr or as_json)  # with --json, the human lines go to stderr
+    resumed = f", resuming tl{result.resumed_from}" if result.resumed_from else ""
     out.print(Text.assemble("started ", (run.run_id, "bold"), f" (pid {run.record.get('pid')}, "
-                            f"process group {run.record.get('pgid')}): ", state_text(run)))
-    out.print(Text(f"log: {run.log_path}   (staged {len(result.package.files)} files, "
-                   f"{result.package.size / 1024:.0f} KiB)"))
+                            f"process group {run.record.get('pgid')}{resumed}): ", state_text(run)))
+    plan = result.plan
+    sent = (f"sent {len(plan.changed)} changed files, {size(result.sent_file_bytes)}" if plan.changed
+            else "unchanged, nothing sent")
+    out.print(Text(f"log: {run.log_path}   (package: {len(result.package.files)} files, "
+                   f"{size(result.package.size)}; {sent})"))
     if result.tail and show_tail:
         message(f"{run.run_id} ended during its start ({run.state.value}, exit {run.exit_code}); the log's end:")
         sys.stderr.write(result.tail.decode(errors="replace").rstrip("\n") + "\n")

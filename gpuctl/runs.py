@@ -73,6 +73,19 @@ class Progress:
                 "tokens_per_s": self.tokens_per_s, "eta_s": self.eta_s}
 
 
+def parse_metrics_lines(text: bytes) -> list[dict[str, Any]]:
+    """The records of a metrics file (JSON lines); a line being written as it was read is left out."""
+    records = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+    return records
+
+
 def parse_progress(first: bytes | None, last: bytes | None, active: bool) -> Progress | None:
     """Progress from the first and last lines of the run's metrics file (one JSON object per logged step).
 
@@ -152,6 +165,7 @@ class Run:
             "progress": self.progress.to_json() if self.progress else None,
             "config": self.record.get("config"),
             "killed_signal": self.record.get("killed_signal"),
+            "resumed_from": f"tl{self.record['resumed_from']}" if self.record.get("resumed_from") else None,
         }
 
 
@@ -162,6 +176,7 @@ class Inspection:
     runs: list[Run]
     tails: dict[int, bytes]  # run number -> the log's last lines
     rests: dict[int, bytes]  # run number -> the log from the asked byte offset on
+    histories: dict[int, bytes]  # run number -> a sample of its metrics lines that have a loss
     gpus_csv: bytes | None
 
 
@@ -176,7 +191,7 @@ def parse_inspection(sections: list[tuple[str, bytes]]) -> Inspection:
         else:
             top[name] = value
     now = float(top["now"]) if top.get("now") else None
-    runs, tails, rests = [], {}, {}
+    runs, tails, rests, histories = [], {}, {}, {}
     for facts in facts_by_run:
         alive = facts.get("alive") == b"1"
         runs.append(Run(
@@ -191,4 +206,6 @@ def parse_inspection(sections: list[tuple[str, bytes]]) -> Inspection:
             tails[facts["number"]] = facts["tail"]
         if "rest" in facts:
             rests[facts["number"]] = facts["rest"].removesuffix(b"x")  # the script's guard for trailing newlines
-    return Inspection(runs=runs, tails=tails, rests=rests, gpus_csv=top.get("gpus"))
+        if "metrics_history" in facts:
+            histories[facts["number"]] = facts["metrics_history"]
+    return Inspection(runs=runs, tails=tails, rests=rests, histories=histories, gpus_csv=top.get("gpus"))

@@ -1,9 +1,10 @@
 """The one SSH session type: one paramiko connection per gpuctl invocation, reused for every remote command.
 
-Host keys are checked like OpenSSH does: an unknown host is refused unless --accept-new-host-key (which records
-the key in known_hosts, like StrictHostKeyChecking=accept-new); a changed key is always refused. Keys: --identity,
-then ssh_config's IdentityFile, the agent, the default key files. ssh_config's HostName, Port, User, IdentityFile
-and UserKnownHostsFile are honoured through paramiko's own SSHConfig.
+Host keys are checked like OpenSSH does, for every hop: an unknown host is refused unless --accept-new-host-key
+(which records the key in known_hosts, like StrictHostKeyChecking=accept-new); a changed key is always refused.
+Keys: --identity, then ssh_config's IdentityFile, the agent, the default key files. ssh_config's HostName, Port,
+User, IdentityFile, UserKnownHostsFile and ProxyJump are honoured through paramiko's own SSHConfig; a jump is a
+direct-tcpip channel through the previous hop's transport, used as the socket of the next connection.
 """
 
 from __future__ import annotations
@@ -13,14 +14,15 @@ import os
 import socket
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from typing_extensions import Self
 
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
-from gpuctl.target import Target
+from gpuctl.target import Target, parse_target_arg
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # cryptography's deprecation notices are not the user's business
@@ -29,14 +31,21 @@ with warnings.catch_warnings():
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 RECV_BYTES = 65536
+SEND_CHUNK = 32768
+MAX_JUMPS = 8
 
 
 @dataclass
 class Stats:
-    """What the last connection cost: the benchmark and GPUCTL_TRACE read it."""
+    """What the last connection cost: the benchmark, the tests and GPUCTL_TRACE read it."""
 
     connect_s: float = 0.0
     remote_commands: int = 0
+    sent: Counter = field(default_factory=Counter)  # bytes written to remote commands' stdin, by kind
+
+    def reset(self) -> None:
+        self.remote_commands = 0
+        self.sent.clear()
 
 
 STATS = Stats()
@@ -51,7 +60,7 @@ class Completed:
 
 @dataclass(frozen=True)
 class Endpoint:
-    """Where the connection really goes, after ssh_config."""
+    """Where a connection really goes, after ssh_config; `jump` is the hop it goes through, if any."""
 
     hostname: str
     port: int
@@ -59,13 +68,29 @@ class Endpoint:
     key_files: tuple[str, ...]
     known_hosts: Path
     accept_new: bool
+    jump: Endpoint | None = None
 
     def describe(self) -> str:
-        return f"{self.user}@{self.hostname}:{self.port}"
+        where = f"{self.user}@{self.hostname}:{self.port}"
+        return f"{where} (through {self.jump.describe()})" if self.jump else where
 
 
 def host_error(message: str) -> GpuctlError:
     return GpuctlError(message, ExitCode.HOST)
+
+
+class ConnectionLost(GpuctlError):
+    """An established connection dropped or went silent: a follower may reconnect and go on."""
+
+    def __init__(self, message: str):
+        super().__init__(message, ExitCode.HOST)
+
+
+class Unreachable(GpuctlError):
+    """The host did not answer (as opposed to a refused login or host key): worth trying again later."""
+
+    def __init__(self, message: str):
+        super().__init__(message, ExitCode.HOST)
 
 
 def load_ssh_config(path: str | None) -> paramiko.SSHConfig:
@@ -79,25 +104,50 @@ def load_ssh_config(path: str | None) -> paramiko.SSHConfig:
 
 
 def resolve_endpoint(target: Target) -> Endpoint:
-    config = load_ssh_config(target.ssh_config).lookup(target.host)
-    if config.get("proxyjump", "none").lower() != "none":
-        raise usage_error(f"ssh_config ProxyJump (for {target.host}) is not supported yet; "
-                          "connect to the host directly")
-    key_files = []
+    """The target's endpoint: the command line's port, user and identity win over its ssh_config entry."""
+    config = load_ssh_config(target.ssh_config)
+    identity = None
     if target.identity:
         identity = Path(target.identity).expanduser()
         if not identity.is_file():
             raise usage_error(f"--identity: no such key file: {identity}")
-        key_files.append(str(identity))
-    key_files += [str(Path(p).expanduser()) for p in config.get("identityfile", [])
+    return _endpoint(config, target.host, port=target.port, user=target.user, identity=identity,
+                     accept_new=target.accept_new_host_key, hops=0)
+
+
+def _endpoint(config: paramiko.SSHConfig, host: str, *, port: int | None, user: str | None,
+              identity: Path | None, accept_new: bool, hops: int, jump: Endpoint | None = None) -> Endpoint:
+    found = config.lookup(host)
+    if found.get("proxycommand", "none").lower() != "none":
+        raise usage_error(f"ssh_config ProxyCommand (for {host}) is not supported: use ProxyJump")
+    key_files = [str(identity)] if identity else []
+    key_files += [str(Path(p).expanduser()) for p in found.get("identityfile", [])
                   if Path(p).expanduser().is_file()]
-    known = config.get("userknownhostsfile", "~/.ssh/known_hosts").split()[0]
-    accept_new = target.accept_new_host_key or config.get("stricthostkeychecking", "").lower() in ("accept-new",
-                                                                                                   "no", "off")
-    port = target.port or int(config.get("port", 22))
-    return Endpoint(hostname=config.get("hostname", target.host), port=port,
-                    user=target.user or config.get("user", "root"), key_files=tuple(dict.fromkeys(key_files)),
-                    known_hosts=Path(known).expanduser(), accept_new=accept_new)
+    known = found.get("userknownhostsfile", "~/.ssh/known_hosts").split()[0]
+    accept_new = accept_new or found.get("stricthostkeychecking", "").lower() in ("accept-new", "no", "off")
+    spec = found.get("proxyjump", "none")
+    if jump is None and spec.lower() != "none":
+        jump = _jump_chain(config, spec, accept_new, hops + 1)
+    return Endpoint(hostname=found.get("hostname", host), port=port or int(found.get("port", 22)),
+                    user=user or found.get("user", "root"), key_files=tuple(dict.fromkeys(key_files)),
+                    known_hosts=Path(known).expanduser(), accept_new=accept_new, jump=jump)
+
+
+def _jump_chain(config: paramiko.SSHConfig, spec: str, accept_new: bool, hops: int) -> Endpoint:
+    """`ProxyJump a,b`: a is reached as configured (its own ProxyJump included), b through a (like ssh -J)."""
+    if hops > MAX_JUMPS:
+        raise usage_error(f"ssh_config ProxyJump: more than {MAX_JUMPS} hops (a loop?)")
+    jump = None
+    for hop in (h.strip() for h in spec.split(",")):
+        try:
+            parts = parse_target_arg(hop.removeprefix("ssh://"))
+        except GpuctlError:
+            raise usage_error(f"ssh_config ProxyJump: cannot read the hop {hop!r} ([USER@]HOST[:PORT])") from None
+        if "ct" in parts:
+            raise usage_error(f"ssh_config ProxyJump: cannot read the hop {hop!r} ([USER@]HOST[:PORT])")
+        jump = _endpoint(config, parts["host"], port=parts.get("port"), user=parts.get("user"), identity=None,
+                         accept_new=accept_new, hops=hops, jump=jump)
+    return jump
 
 
 class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
@@ -117,72 +167,156 @@ class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
             f.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
 
 
-class Session:
-    """An open SSH connection; run() and stream() execute one remote command each."""
+class RemoteCommand:
+    """One remote command in progress: write to its stdin as the conversation goes, read its output."""
 
-    def __init__(self, client: paramiko.SSHClient, endpoint: Endpoint, timeout: float):
+    def __init__(self, chan: paramiko.Channel, session: Session):
+        self._chan = chan
+        self._session = session
+        self._pending = bytearray()  # stdout read past a marker, for the next reader
+        self.stderr = bytearray()
+
+    def send(self, data: bytes, kind: str = "script", progress: Callable[[int], None] | None = None) -> None:
+        """Write to the command's stdin; the bytes are counted under `kind` (STATS.sent)."""
+        for start in range(0, len(data), SEND_CHUNK):
+            chunk = data[start:start + SEND_CHUNK]
+            try:
+                self._chan.sendall(chunk)
+            except (OSError, EOFError, paramiko.SSHException) as e:
+                raise self._session.lost(f"writing to the remote command failed: {e or type(e).__name__}")
+            STATS.sent[kind] += len(chunk)
+            if progress:
+                progress(len(chunk))
+
+    def close_stdin(self) -> None:
+        try:
+            self._chan.shutdown_write()
+        except (OSError, EOFError, paramiko.SSHException):
+            pass  # the command already ended; finish() tells how
+
+    def read_until(self, marker: bytes) -> tuple[bytes, bool]:
+        """stdout up to and including `marker`; (everything, False) when the output ends without it."""
+        buf = bytearray(self._pending)
+        self._pending.clear()
+
+        def found() -> bool:
+            return marker in buf
+
+        ended = found() or self._pump(buf.extend, self.stderr.extend, idle_timeout=None, stop=found)
+        if ended and not found():
+            return bytes(buf), False
+        end = buf.index(marker) + len(marker)
+        self._pending.extend(buf[end:])
+        return bytes(buf[:end]), True
+
+    def finish(self, on_stdout: Callable[[bytes], None] | None = None,
+               on_stderr: Callable[[bytes], None] | None = None, idle_timeout: float | None = None) -> Completed:
+        """Read the rest of the output (to the callbacks, else collected) and the exit status."""
+        out = bytearray()
+        on_stdout = on_stdout or out.extend
+
+        def on_err(data: bytes) -> None:  # always kept too: the caller's error message may need it
+            self.stderr.extend(data)
+            if on_stderr:
+                on_stderr(data)
+
+        try:
+            if self._pending:
+                on_stdout(bytes(self._pending))
+                self._pending.clear()
+            self._pump(on_stdout, on_err, idle_timeout, stop=None)
+            while data := self._chan.recv_stderr(RECV_BYTES):
+                on_err(data)
+            rc = self._chan.recv_exit_status()
+            if rc == -1 and self._session.dropped():
+                raise self._session.lost("the connection dropped")
+        finally:
+            self._chan.close()
+        return Completed(rc, bytes(out), bytes(self.stderr))
+
+    def _pump(self, on_stdout: Callable[[bytes], None], on_stderr: Callable[[bytes], None],
+              idle_timeout: float | None, stop: Callable[[], bool] | None) -> bool:
+        """Pass output on until stdout ends (True) or stop() holds (False). Silence longer than idle_timeout
+        (a command that sends heartbeats) means the link is dead even if TCP has not noticed yet."""
+        heard = time.monotonic()
+        while True:
+            try:
+                data = self._chan.recv(RECV_BYTES)
+            except TimeoutError:
+                data = None
+            while self._chan.recv_stderr_ready():
+                on_stderr(self._chan.recv_stderr(RECV_BYTES))
+                heard = time.monotonic()
+            if data:
+                on_stdout(data)
+                heard = time.monotonic()
+            elif data == b"":
+                return True  # end of the command's output (or of the connection: finish() tells which)
+            elif not self._session.connected():
+                raise self._session.lost("the connection dropped")
+            elif idle_timeout and time.monotonic() - heard > idle_timeout:
+                raise self._session.lost(f"nothing heard for {idle_timeout:g} s")
+            if stop and stop():
+                return False
+
+
+class Session:
+    """An open SSH connection (and the jump hosts' connections under it)."""
+
+    def __init__(self, client: paramiko.SSHClient, endpoint: Endpoint, timeout: float,
+                 jumps: list[paramiko.SSHClient] | None = None):
         self._client = client
+        self._jumps = jumps or []
         self.endpoint = endpoint
         self._timeout = timeout
 
-    def _connected(self) -> bool:
+    def connected(self) -> bool:
         transport = self._client.get_transport()
         return transport is not None and transport.is_active()
 
-    def _open(self, command: str, stdin: bytes) -> paramiko.Channel:
-        if not self._connected():
-            raise host_error(f"connection to {self.endpoint.describe()} was lost")
+    def dropped(self, wait_s: float = 1.0) -> bool:
+        """Whether the connection is gone; paramiko closes the channels a moment before it says so."""
+        deadline = time.monotonic() + wait_s
+        while self.connected():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def lost(self, why: str) -> ConnectionLost:
+        return ConnectionLost(f"connection to {self.endpoint.describe()} lost: {why}")
+
+    def start(self, command: str) -> RemoteCommand:
+        """Start a remote command; talk to it through the RemoteCommand."""
+        if not self.connected():
+            raise self.lost("the connection dropped")
         transport = self._client.get_transport()
         STATS.remote_commands += 1
         try:
             chan = transport.open_session(timeout=self._timeout)
             chan.exec_command(command)
-            if stdin:
-                chan.sendall(stdin)
-            chan.shutdown_write()
-        except (paramiko.SSHException, OSError) as e:
+        except (paramiko.SSHException, OSError, EOFError) as e:
+            if self.dropped():
+                raise self.lost(str(e) or type(e).__name__) from None
             raise host_error(f"{self.endpoint.describe()}: cannot run a remote command: {e}") from None
-        chan.settimeout(0.5)  # recv wakes up this often, so Ctrl-C is noticed promptly
-        return chan
+        chan.settimeout(0.5)  # recv wakes up this often, so Ctrl-C and a dead link are noticed promptly
+        return RemoteCommand(chan, self)
 
     def stream(self, command: str, stdin: bytes = b"", on_stdout: Callable[[bytes], None] | None = None,
-               on_stderr: Callable[[bytes], None] | None = None) -> Completed:
-        """Run a command; its output goes to the callbacks as it arrives (else it is collected)."""
-        out, err = bytearray(), bytearray()
-        on_stdout = on_stdout or out.extend
-        on_stderr = on_stderr or err.extend
-        chan = self._open(command, stdin)
-        try:
-            while True:
-                try:
-                    data = chan.recv(RECV_BYTES)
-                except TimeoutError:
-                    data = None
-                while chan.recv_stderr_ready():
-                    on_stderr(chan.recv_stderr(RECV_BYTES))
-                if data:
-                    on_stdout(data)
-                elif data == b"":
-                    break  # end of the command's output
-                elif not self._connected():
-                    raise host_error(f"connection to {self.endpoint.describe()} was lost")
-            while True:
-                data = chan.recv_stderr(RECV_BYTES)
-                if not data:
-                    break
-                on_stderr(data)
-            rc = chan.recv_exit_status()
-            if rc == -1 and not self._connected():
-                raise host_error(f"connection to {self.endpoint.describe()} was lost")
-        finally:
-            chan.close()
-        return Completed(rc, bytes(out), bytes(err))
+               on_stderr: Callable[[bytes], None] | None = None, idle_timeout: float | None = None) -> Completed:
+        """Run a command with this stdin; its output goes to the callbacks as it arrives (else it is collected)."""
+        remote = self.start(command)
+        if stdin:
+            remote.send(stdin)
+        remote.close_stdin()
+        return remote.finish(on_stdout, on_stderr, idle_timeout)
 
     def run(self, command: str, stdin: bytes = b"") -> Completed:
         return self.stream(command, stdin)
 
     def close(self) -> None:
-        self._client.close()
+        for client in [self._client, *reversed(self._jumps)]:
+            client.close()
 
     def __enter__(self) -> Self:
         return self
@@ -191,9 +325,19 @@ class Session:
         self.close()
 
 
-def connect(target: Target) -> Session:
-    endpoint = resolve_endpoint(target)
+def _login(endpoint: Endpoint, timeout: float, opened: list[paramiko.SSHClient]) -> paramiko.SSHClient:
+    """Connect and log in to endpoint, through its jump hosts first; every client opened goes to `opened`."""
+    sock = None
+    if endpoint.jump is not None:
+        via = _login(endpoint.jump, timeout, opened)
+        try:
+            sock = via.get_transport().open_channel("direct-tcpip", (endpoint.hostname, endpoint.port),
+                                                    ("127.0.0.1", 0), timeout=timeout)
+        except (paramiko.SSHException, OSError, EOFError) as e:
+            raise Unreachable(f"cannot reach {endpoint.hostname}:{endpoint.port} through "
+                              f"{endpoint.jump.describe()}: {e or type(e).__name__}") from None
     client = paramiko.SSHClient()
+    opened.append(client)
     for path in (Path("/etc/ssh/ssh_known_hosts"), endpoint.known_hosts):
         if path.is_file():
             try:
@@ -202,42 +346,50 @@ def connect(target: Target) -> Session:
                 raise host_error(f"cannot read {path}: {e}") from None
     client.set_missing_host_key_policy(_HostKeyPolicy(endpoint))
     where = endpoint.describe()
-    started = time.perf_counter()
     try:
         client.connect(endpoint.hostname, port=endpoint.port, username=endpoint.user,
                        key_filename=list(endpoint.key_files) or None, allow_agent=True, look_for_keys=True,
-                       timeout=target.connect_timeout, banner_timeout=target.connect_timeout,
-                       auth_timeout=target.connect_timeout)
-    except GpuctlError:
-        client.close()
-        raise
+                       timeout=timeout, banner_timeout=timeout, auth_timeout=timeout, sock=sock)
     except paramiko.BadHostKeyException as e:
-        client.close()
         raise host_error(
             f"host key for {e.hostname} has CHANGED (now {e.key.get_name()} {e.key.fingerprint}); refusing to "
             f"connect. If the host was really re-installed, remove the old key from {endpoint.known_hosts} "
             f"(ssh-keygen -R) and connect again") from None
     except paramiko.AuthenticationException as e:
-        client.close()
         tried = ", ".join(endpoint.key_files) or "agent and default keys"
         raise host_error(f"authentication failed for {where} ({e}; tried {tried}); "
                          "pass --identity KEY") from None
     except socket.gaierror as e:
-        client.close()
-        raise host_error(f"cannot resolve host {endpoint.hostname}: {e.strerror}") from None
+        raise Unreachable(f"cannot resolve host {endpoint.hostname}: {e.strerror}") from None
     except (paramiko.SSHException, OSError, EOFError) as e:
-        client.close()
         reason = str(e) or type(e).__name__
         if isinstance(e, (TimeoutError, socket.timeout)):
-            reason = f"no answer within {target.connect_timeout:g} s"
-        raise host_error(f"cannot connect to {where}: {reason}") from None
+            reason = f"no answer within {timeout:g} s"
+        raise Unreachable(f"cannot connect to {where}: {reason}") from None
+    return client
+
+
+def connect(target: Target, reset_stats: bool = True) -> Session:
+    """Connect to the target; reset_stats=False keeps counting across a reconnect."""
+    endpoint = resolve_endpoint(target)
+    opened: list[paramiko.SSHClient] = []
+    started = time.perf_counter()
+    try:
+        client = _login(endpoint, target.connect_timeout, opened)
+    except BaseException:
+        for client in reversed(opened):
+            client.close()
+        raise
     STATS.connect_s = time.perf_counter() - started
-    STATS.remote_commands = 0
-    return Session(client, endpoint, target.connect_timeout)
+    if reset_stats:
+        STATS.reset()
+    return Session(client, endpoint, target.connect_timeout, jumps=opened[:-1])
 
 
 def trace_line() -> str:
-    return f"gpuctl: trace: connect {STATS.connect_s * 1000:.0f} ms, {STATS.remote_commands} remote commands"
+    sent = ", ".join(f"{kind} {n} B" for kind, n in sorted(STATS.sent.items())) or "nothing"
+    return (f"gpuctl: trace: connect {STATS.connect_s * 1000:.0f} ms, {STATS.remote_commands} remote commands, "
+            f"sent: {sent}")
 
 
 def tracing() -> bool:

@@ -2,7 +2,8 @@
 
 Each field comes from the first source that has it: the command-line flag (or the positional TARGET), then the
 GPUCTL_* environment, then the target of the last successful launch (only while no other host was asked for),
-then $XDG_CONFIG_HOME/gpuctl/config.toml.
+then $XDG_CONFIG_HOME/gpuctl/config.toml. A profile of config.toml (`[profiles.NAME]`, chosen with --profile or
+GPUCTL_PROFILE) counts as given where it was named, below that level's own values.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class TargetFlags:
     ssh_config: str | None = None
     accept_new_host_key: bool = False
     connect_timeout: float | None = None
+    profile: str | None = None
 
 
 @dataclass(frozen=True)
@@ -126,16 +128,35 @@ def _from_env(env: dict[str, str]) -> dict[str, Any]:
     return found
 
 
-def _from_config() -> dict[str, Any]:
+CONFIG_KEYS = {"host", "port", "user", "identity", "ct", "ssh_config", "connect_timeout"}
+
+
+def _read_config() -> dict[str, Any]:
     path = paths.config_file()
     if not path.is_file():
         return {}
     try:
-        data = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise usage_error(f"cannot read {path}: {e}")
-    known = {"host", "port", "user", "identity", "ct", "ssh_config", "connect_timeout"}
-    return _validated({k: v for k, v in data.items() if k in known}, str(path))
+
+
+def _from_config(data: dict[str, Any]) -> dict[str, Any]:
+    return _validated({k: v for k, v in data.items() if k in CONFIG_KEYS}, str(paths.config_file()))
+
+
+def _profile(data: dict[str, Any], name: str | None, source: str) -> dict[str, Any]:
+    if not name:
+        return {}
+    profiles = data.get("profiles", {})
+    if not isinstance(profiles, dict) or not isinstance(profiles.get(name), dict):
+        known = ", ".join(sorted(profiles)) if isinstance(profiles, dict) and profiles else "none"
+        raise usage_error(f"{source}: no profile {name!r} in {paths.config_file()} (profiles: {known})")
+    profile = profiles[name]
+    unknown = sorted(set(profile) - CONFIG_KEYS)
+    if unknown:
+        raise usage_error(f"profile {name!r} in {paths.config_file()}: unknown keys {', '.join(unknown)}")
+    return _validated(profile, f"profile {name!r}")
 
 
 def _remembered() -> dict[str, Any]:
@@ -148,11 +169,14 @@ def _remembered() -> dict[str, Any]:
 
 def resolve(flags: TargetFlags, env: dict[str, str] | None = None) -> Target:
     env = dict(os.environ) if env is None else env
-    explicit = _from_env(env) | _from_flags(flags)  # flags win over the environment
+    config = _read_config()
+    env_layer = _profile(config, env.get("GPUCTL_PROFILE"), "GPUCTL_PROFILE") | _from_env(env)
+    flag_layer = _profile(config, flags.profile, "--profile") | _from_flags(flags)
+    explicit = env_layer | flag_layer  # the command line wins over the environment
     remembered = _remembered()
     if "host" in explicit and remembered.get("host") != explicit["host"]:
         remembered = {}  # another host was asked for: its container number means nothing there
-    merged = _from_config() | remembered | explicit
+    merged = _from_config(config) | remembered | explicit
     timeout = flags.connect_timeout if flags.connect_timeout is not None else merged.get("connect_timeout")
     if "host" not in merged:
         raise usage_error("no host: pass --host HOST (or TARGET, or set GPUCTL_HOST)")

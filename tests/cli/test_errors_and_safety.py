@@ -33,6 +33,12 @@ def test_stopped_container_exits_4_naming_it(gpuctl, standin):
         result = gpuctl(*command)
         assert result.code == 4
         assert f"container {gpuctl.ctid} on {ALIAS} is not running" in one_line_error(result)
+    # status still shows what it knows: the container and its state (a table, or the JSON document).
+    human = gpuctl("status")
+    assert human.stdout.splitlines()[0] == f"CT {gpuctl.ctid} on {ALIAS}: stopped"
+    doc = gpuctl("status", "--json")
+    assert doc.code == 4 and doc.json()["container"]["status"] == "stopped"
+    assert (doc.json()["run_id"], doc.json()["state"], doc.json()["gpus"]) == (None, None, [])
     standin.pct("start", str(gpuctl.ctid))
     assert gpuctl("status").code == 0
 

@@ -43,10 +43,40 @@ def install_script(source: Path, target: Path) -> None:
     target.chmod(0o755)
 
 
+def _socket_inodes(pid: int) -> set[str]:
+    found = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                found.add(link[len("socket:["):-1])
+    except OSError:
+        pass  # the process went away while we looked
+    return found
+
+
+def _tcp_sockets() -> list[tuple[int, int, str]]:
+    """(local port, remote port, inode) of every TCP socket of this machine (IPv4 and IPv6)."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            found.append((int(fields[1].rsplit(":", 1)[1], 16), int(fields[2].rsplit(":", 1)[1], 16), fields[9]))
+    return found
+
+
 class StandInHost:
-    def __init__(self, root: Path | str):
+    def __init__(self, root: Path | str, log_level: str = "ERROR"):
         self.root = Path(root).resolve()
         self.port: int | None = None
+        self.log_level = log_level  # DEBUG1 logs every forwarded (direct-tcpip) connection: a jump host's proof
         self._sshd: subprocess.Popen | None = None
 
     # Paths of the state dir.
@@ -119,7 +149,7 @@ class StandInHost:
             "UsePAM no",
             "MaxStartups 100:30:200",
             "MaxSessions 100",
-            "LogLevel ERROR",
+            f"LogLevel {self.log_level}",
             # HOME in the state dir: the shell sshd starts reads no dotfiles of the machine's real root.
             f"SetEnv PATH={self.root / 'bin'}:/usr/sbin:/usr/bin:/sbin:/bin HOME={self.root / 'home'}",
             "",
@@ -156,6 +186,34 @@ class StandInHost:
                 os.kill(int(self.pidfile.read_text()), signal.SIGTERM)
             except ProcessLookupError:
                 pass
+
+    @property
+    def log(self) -> Path:
+        return self.root / "sshd.log"
+
+    def connection_processes(self, client_pid: int) -> list[int]:
+        """The per-connection sshd processes serving the connections process client_pid has open to this sshd
+        (found through /proc: the client's sockets, their ports, the server side's sockets). Never the listener."""
+        sockets = _tcp_sockets()
+        client_inodes = _socket_inodes(client_pid)
+        client_ports = {local for local, remote, inode in sockets if inode in client_inodes and remote == self.port}
+        server_inodes = {inode for local, remote, inode in sockets if local == self.port and remote in client_ports}
+        listener = self._sshd.pid if self._sshd else int(self.pidfile.read_text()) if self.pidfile.exists() else None
+        found = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) != listener and _socket_inodes(int(entry)) & server_inodes:
+                found.append(int(entry))
+        return found
+
+    def drop_connections(self, client_pid: int) -> list[int]:
+        """Cut process client_pid's connections to this sshd the hard way: SIGKILL their sshd processes."""
+        killed = self.connection_processes(client_pid)
+        for pid in killed:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return killed
 
     # Containers.
     def ct_dir(self, ctid: int) -> Path:

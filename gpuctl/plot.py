@@ -1,0 +1,60 @@
+"""`gpuctl plot`: a run's loss and tokens/s against step, drawn with matplotlib (the optional extra `plot`).
+
+A resumed run is drawn with the runs it continued, a dashed line where each resumed run took over.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from gpuctl.commands import MetricsHistory
+from gpuctl.errors import ExitCode, GpuctlError, usage_error
+
+FORMATS = {".png", ".svg", ".pdf"}
+
+
+def check_output(path: Path) -> None:
+    """Before connecting: matplotlib is there, and the output path makes sense."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise usage_error("gpuctl plot needs matplotlib: pip install 'gpuctl[plot]'")
+    if path.suffix.lower() not in FORMATS:
+        raise usage_error(f"-o must end in {', '.join(sorted(FORMATS))}, got {str(path)!r}")
+    if not path.parent.is_dir():
+        raise usage_error(f"-o: no such directory: {path.parent}")
+
+
+def series(history: MetricsHistory, key: str) -> tuple[list[int], list[float]]:
+    points = [(r["step"], float(r[key])) for r in history.records if isinstance(r.get(key), (int, float))]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def draw(history: MetricsHistory, path: Path) -> int:
+    """Write the figure; returns the number of loss points drawn."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # no pyplot: no global state, no display
+    from matplotlib.figure import Figure
+
+    steps, losses = series(history, "loss")
+    if not steps:
+        latest = history.runs[-1].run_id if history.runs else "the run"
+        raise GpuctlError(f"{latest} has no loss in its metrics yet: nothing to plot", ExitCode.RUN_FAILED)
+    rate_steps, rates = series(history, "tokens_per_s")
+    figure = Figure(figsize=(8, 5.5), dpi=100, layout="constrained")
+    FigureCanvasAgg(figure)
+    loss_ax, rate_ax = figure.subplots(2, 1, sharex=True)
+    loss_ax.plot(steps, losses, marker="." if len(steps) < 60 else None, color="tab:blue")
+    loss_ax.set_ylabel("loss")
+    rate_ax.plot(rate_steps, rates, marker="." if len(rate_steps) < 60 else None, color="tab:green")
+    rate_ax.set_ylabel("tokens/s")
+    rate_ax.set_xlabel("step")
+    for ax in (loss_ax, rate_ax):
+        ax.grid(True, alpha=0.3)
+        for step in history.resumed_at:
+            ax.axvline(step - 0.5, color="gray", linestyle="--", linewidth=1)
+    runs = " → ".join(run.run_id for run in history.runs)
+    latest = history.runs[-1]
+    total = next((r.get("total_steps") for r in reversed(history.records) if r.get("total_steps")), None)
+    config = latest.record.get("config", "?")
+    figure.suptitle(f"{runs}  ({config}; step {steps[-1]}" + (f" of {total})" if total else ")"))
+    figure.savefig(path)
+    return len(steps)
