@@ -363,7 +363,9 @@ def _login(endpoint: Endpoint, timeout: float, opened: list[paramiko.SSHClient])
         raise Unreachable(f"cannot resolve host {endpoint.hostname}: {e.strerror}") from None
     except (paramiko.SSHException, OSError, EOFError) as e:
         reason = str(e) or type(e).__name__
-        if isinstance(e, (TimeoutError, socket.timeout)):
+        if isinstance(e, paramiko.ssh_exception.NoValidConnectionsError):
+            reason = "connection refused"
+        elif isinstance(e, (TimeoutError, socket.timeout)):
             reason = f"no answer within {timeout:g} s"
         raise Unreachable(f"cannot connect to {where}: {reason}") from None
     return client

@@ -34,19 +34,21 @@ class Result:
 class Gpuctl:
     """Runs `python -m gpuctl ARGS` against the stand-in host and one container."""
 
-    def __init__(self, host: StandInHost, ctid: int, home: Path):
+    def __init__(self, host: StandInHost, ctid: int, home: Path, source: Path = REPO):
         self.host, self.ctid, self.home = host, ctid, home
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUCTL_", "SSH_", "XDG_"))}
+        self.source = source  # the checkout gpuctl runs from (and stages training/ of)
+        self.env = {k: v for k, v in os.environ.items()
+                    if not k.startswith(("GPUCTL_", "SSH_", "XDG_", "FORCE_COLOR", "TTY_"))}
         self.env.update(HOME=str(home), XDG_STATE_HOME=str(home / "state"), XDG_CONFIG_HOME=str(home / "config"),
-                        PYTHONPATH=str(REPO), NO_COLOR="1", **host.env(ctid))
+                        PYTHONPATH=str(source), NO_COLOR="1", **host.env(ctid))
 
     def __call__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 120) -> Result:
-        proc = subprocess.run([sys.executable, "-m", "gpuctl", *args], cwd=REPO, env=self.env | (env or {}),
+        proc = subprocess.run([sys.executable, "-m", "gpuctl", *args], cwd=self.source, env=self.env | (env or {}),
                               capture_output=True, text=True, timeout=timeout, check=False)
         return Result(proc.returncode, proc.stdout, proc.stderr)
 
-    def popen(self, *args: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "gpuctl", *args], cwd=REPO, env=self.env,
+    def popen(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "gpuctl", *args], cwd=self.source, env=self.env | (env or {}),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def launch_fake(self, *sets: str, extra: tuple[str, ...] = ()) -> Result:

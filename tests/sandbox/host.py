@@ -155,16 +155,22 @@ class StandInHost:
             "",
         ])
 
-    def known_hosts_line(self) -> str:
+    def known_hosts_line(self, port: int | None = None) -> str:
+        """This server's known_hosts line, as reached at `port` (another port forwards to it)."""
         key_type, key_b64 = self.host_key.with_suffix(".pub").read_text().split()[:2]
-        return f"[127.0.0.1]:{self.port} {key_type} {key_b64}\n"
+        return f"[127.0.0.1]:{port or self.port} {key_type} {key_b64}\n"
+
+    def ssh_config_entry(self, alias: str = ALIAS, known_hosts: Path | None = None, port: int | None = None,
+                         extra: tuple[str, ...] = ()) -> str:
+        """A Host block for this server (reached at `port`, when a forwarder stands in front of it)."""
+        lines = [f"Host {alias}", "    HostName 127.0.0.1", f"    Port {port or self.port}", "    User root",
+                 f"    IdentityFile {self.client_key}",
+                 f"    UserKnownHostsFile {known_hosts or self.known_hosts}", *(f"    {e}" for e in extra), ""]
+        return "\n".join(lines)
 
     def write_ssh_config(self, path: Path, known_hosts: Path | None = None, alias: str = ALIAS) -> Path:
         """An ssh_config with a Host alias for this server; known_hosts defaults to the pre-filled one."""
-        lines = [f"Host {alias}", "    HostName 127.0.0.1", f"    Port {self.port}", "    User root",
-                 f"    IdentityFile {self.client_key}",
-                 f"    UserKnownHostsFile {known_hosts or self.known_hosts}", ""]
-        path.write_text("\n".join(lines))
+        path.write_text(self.ssh_config_entry(alias, known_hosts))
         return path
 
     def env(self, ctid: int | None = None) -> dict[str, str]:
