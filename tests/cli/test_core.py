@@ -5,7 +5,7 @@ from __future__ import annotations
 import jinja2
 import pytest
 
-from gpuctl import scripts, target
+from gpuctl import scripts, ssh, target
 from gpuctl.container import parse_sections
 from gpuctl.errors import ExitCode, GpuctlError
 from gpuctl.runs import Run, State, parse_progress, parse_run_ref, parse_signal
@@ -115,3 +115,34 @@ def test_run_refs_and_signals():
     for bad in ("tl0", "x", "-1"):
         with pytest.raises(GpuctlError):
             parse_run_ref(bad)
+
+
+def test_proxyjump_chains_resolve_through_ssh_config(tmp_path):
+    config = tmp_path / "ssh_config"
+    config.write_text("Host final\n  HostName 10.0.0.5\n  Port 2222\n  ProxyJump alice@hop1:2200,hop2\n"
+                      "Host hop2\n  HostName 10.0.0.3\n  User bob\n  ProxyJump ignored-when-chained\n"
+                      "Host loop-a\n  ProxyJump loop-b\nHost loop-b\n  ProxyJump loop-a\n"
+                      "Host piped\n  ProxyCommand nc %h %p\n")
+    endpoint = ssh.resolve_endpoint(target.Target(host="final", ct=200, ssh_config=str(config)))
+    hops = []
+    while endpoint:
+        hops.append((endpoint.hostname, endpoint.port, endpoint.user))
+        endpoint = endpoint.jump
+    assert hops == [("10.0.0.5", 2222, "root"), ("10.0.0.3", 22, "bob"), ("hop1", 2200, "alice")]
+    with pytest.raises(GpuctlError, match="more than 8 hops"):
+        ssh.resolve_endpoint(target.Target(host="loop-a", ct=200, ssh_config=str(config)))
+    with pytest.raises(GpuctlError, match="ProxyCommand .* is not supported"):
+        ssh.resolve_endpoint(target.Target(host="piped", ct=200, ssh_config=str(config)))
+
+
+def test_profiles_count_where_they_are_named(xdg):
+    write_config(xdg, 'host = "cfg-host"\nct = 300\n[profiles.a]\nhost = "a-host"\nct = 301\nuser = "a-user"\n'
+                      '[profiles.b]\nct = 302\n')
+    assert target.resolve(target.TargetFlags(profile="a"), env={}).host == "a-host"
+    from_env = target.resolve(target.TargetFlags(), env={"GPUCTL_PROFILE": "a", "GPUCTL_CT": "310"})
+    assert (from_env.host, from_env.ct, from_env.user) == ("a-host", 310, "a-user")  # the env's own value wins
+    flag_over_env = target.resolve(target.TargetFlags(profile="b"), env={"GPUCTL_CT": "310"})
+    assert (flag_over_env.host, flag_over_env.ct) == ("cfg-host", 302)  # --profile beats the environment
+    assert target.resolve(target.TargetFlags(profile="a", ct=303), env={}).ct == 303
+    with pytest.raises(GpuctlError, match=r"no profile 'c' .*\(profiles: a, b\)"):
+        target.resolve(target.TargetFlags(profile="c"), env={})
