@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from tenacity import RetryError, retry, retry_if_result, stop_after_delay, wait_exponential
 
@@ -47,8 +47,15 @@ from gpuctl.target import Target
 
 Notify = Callable[[str], None]
 Write = Callable[[bytes], None]
-Progress = Callable[[int], None]  # bytes just sent
 T = TypeVar("T")
+
+
+class Tracker(Protocol):
+    """Hears of every chunk of a transfer (render.TransferProgress draws it); closed when the transfer ends."""
+
+    def __call__(self, sent: int) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def _seconds(name: str, default: float) -> float:
@@ -229,8 +236,8 @@ def _active_conflict(ct: Container, sections: list[tuple[str, bytes]]) -> Gpuctl
 
 
 def launch(ct: Container, target: Target, opts: LaunchOptions, notify: Notify,
-           progress: Callable[[int], Progress] | None = None) -> LaunchResult:
-    """Start a run. progress(total) gives the callback that hears of every chunk of changed files sent."""
+           progress: Callable[[int], Tracker] | None = None) -> LaunchResult:
+    """Start a run. progress(total bytes) gives the tracker of the changed files' transfer."""
     resumed = None
     if opts.resume is not None:
         found = inspect(ct, opts.resume).runs
@@ -271,7 +278,12 @@ def launch(ct: Container, target: Target, opts: LaunchOptions, notify: Notify,
     plan = plan_stage(package, current)
     sent_before = ssh.STATS.sent["files"]
     remote.send(f"go {plan.changed_bytes}\n".encode() + package.manifest() + b"\n")
-    remote.send(plan.archive, kind="files", progress=progress(plan.changed_bytes) if progress else None)
+    tracker = progress(plan.changed_bytes) if progress and plan.archive else None
+    try:
+        remote.send(plan.archive, kind="files", progress=tracker)
+    finally:
+        if tracker:
+            tracker.close()
     remote.close_stdin()
     result = ct.finish(remote)
     sections = dict(parse_sections(result.stdout))

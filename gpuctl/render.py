@@ -196,7 +196,8 @@ class TransferProgress:
             console = _console(stderr=True)
             if not console.is_terminal:
                 return
-            self._bar = Progress("{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+            self._bar = Progress("{task.description}", BarColumn(), DownloadColumn(binary_units=True),
+                                 TransferSpeedColumn(),
                                  console=console, transient=True)
             self._bar.start()
             self._task = self._bar.add_task(self.description, total=self.total)
