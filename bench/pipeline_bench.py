@@ -201,6 +201,10 @@ def main() -> None:
                        for d, t in zip(drafters, targets)]
     serial = run_mode("serial", [PassThrough()], serial_replicas, [torch.device("cpu")], devices, args,
                       stream())
+    # The serial loop kept both replicas identical: the shared split trains both, the 1:1 split one of them.
+    shared = run_mode("threaded 1:2", [TargetReplica(target)],
+                      [BenchReplica(d, config, backend, dtype, warmup_batch) for d in drafters],
+                      [devices[0]], devices, args, stream())
     threaded = run_mode("threaded", [TargetReplica(target)],
                         [BenchReplica(drafters[1], config, backend, dtype, warmup_batch)],
                         [devices[0]], [devices[1]], args, stream())
@@ -209,24 +213,27 @@ def main() -> None:
     print(f"\nPipeline throughput: global batch {args.global_batch} x {args.length} tokens, {args.anchors} "
           f"anchors x {block}, {args.steps} measured steps after {args.warmup_steps}; {card} x 2, "
           f"torch {torch.__version__}")
-    print(f"{'mode':9} {'tok/s':>8} {'step s':>7} {'ideal tok/s':>12}  busy (ms per sequence)")
-    for row in (serial, threaded):
+    print(f"{'mode':12} {'tok/s':>8} {'step s':>7} {'ideal tok/s':>12}  busy (ms per sequence)")
+    for row in (serial, shared, threaded):
         busy = "  ".join(f"{thread} {fraction:.0%} ({row['ms_per_sequence'][thread]:.0f})"
                          for thread, fraction in row["busy"].items())
-        print(f"{row['mode']:9} {row['tokens_per_s']:8.0f} {row['step_s']:7.2f} "
+        print(f"{row['mode']:12} {row['tokens_per_s']:8.0f} {row['step_s']:7.2f} "
               f"{row['ideal_tokens_per_s']:12.0f}  {busy}")
     print("serial: target0 is the pass-through thread; drafter0/1 run target forward + drafter step on "
           "GPU 0/1.\n"
+          "threaded 1:2: target0 runs the target on GPU 0, drafter0/1 drafter replicas on GPU 0/1.\n"
           "threaded: target0 runs the target on GPU 0, drafter0 the drafter on GPU 1.")
     ratio = threaded["tokens_per_s"] / serial["tokens_per_s"]
-    print(f"threaded / serial tokens/s: {ratio:.3f}")
-    for row in (serial, threaded):
+    shared_ratio = shared["tokens_per_s"] / serial["tokens_per_s"]
+    print(f"threaded / serial tokens/s: {ratio:.3f}; threaded 1:2 / serial: {shared_ratio:.3f}")
+    for row in (serial, shared, threaded):
         if row["peak_memory_gib"]:
             memory = ", ".join(f"{gpu} {gib:.1f} GiB" for gpu, gib in row["peak_memory_gib"].items())
             print(f"peak memory ({row['mode']}): {memory}")
     if args.json:
         report = {"args": {k: str(v) for k, v in vars(args).items()}, "serial": serial, "threaded": threaded,
-                  "threaded_over_serial": ratio, "torch": torch.__version__, "card": card}
+                  "threaded_shared": shared, "threaded_over_serial": ratio,
+                  "threaded_shared_over_serial": shared_ratio, "torch": torch.__version__, "card": card}
         args.json.write_text(json.dumps(report, indent=2))
 
 
