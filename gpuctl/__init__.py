@@ -1,3 +1,3 @@
 """gpuctl: launch, follow and control training runs inside Proxmox LXC containers over SSH."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

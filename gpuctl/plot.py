@@ -5,7 +5,6 @@ A resumed run is drawn with the runs it continued, a dashed line where each resu
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 from gpuctl.commands import MetricsHistory
@@ -16,8 +15,10 @@ FORMATS = {".png", ".svg", ".pdf"}
 
 def check_output(path: Path) -> None:
     """Before connecting: matplotlib is there, and the output path makes sense."""
-    if importlib.util.find_spec("matplotlib") is None:
-        raise usage_error("gpuctl plot needs matplotlib: pip install 'gpuctl[plot]'")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise usage_error("gpuctl plot needs matplotlib: pip install 'gpuctl[plot]'") from None
     if path.suffix.lower() not in FORMATS:
         raise usage_error(f"-o must end in {', '.join(sorted(FORMATS))}, got {str(path)!r}")
     if not path.parent.is_dir():

@@ -10,4 +10,4 @@ if ! command -v sshd >/dev/null 2>&1 && [ ! -x /usr/sbin/sshd ]; then
 fi
 # The CPU build of torch: a bare 'torch' requirement would pull a multi-GB CUDA build.
 python3 -c 'import torch' 2>/dev/null || python3 -m pip install -q torch==2.13.0
-python3 -m pip install -q '.[train,test]'
+python3 -m pip install -q '.[train,test,plot]'

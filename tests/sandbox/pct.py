@@ -170,7 +170,9 @@ def cmd_exec(args: list[str]) -> int:
         os.makedirs(mountpoint, exist_ok=True)  # an empty mount point on the host
     # /tmp is bound last: the state dir may itself live under the host's /tmp.
     setup = " && ".join(f'mount --bind "${i + 1}" {m}' for i, (_, m) in enumerate(binds))
-    env = dict(os.environ)
+    # Without sshd's SSH_CLIENT, bash does not read ~/.bashrc: this machine's own /root/.bashrc is not the
+    # container's (a real container has its own /root).
+    env = {k: v for k, v in os.environ.items() if k not in ("SSH_CLIENT", "SSH2_CLIENT", "SSH_CONNECTION")}
     env.update(PATH=f"{CT_BIN_MOUNT}:/sbin:/bin:/usr/sbin:/usr/bin", HOME="/root", **{MARKER: marker(ctid)})
     child = subprocess.Popen(
         ["unshare", "--mount", "--propagation", "private", "--", "/bin/bash", "-c",

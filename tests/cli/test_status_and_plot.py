@@ -1,0 +1,99 @@
+"""status tells the truth about a dead trainer, shows a loss sparkline, refreshes in place with --watch; plot
+draws the metrics; --version, shell completion and NO_COLOR."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+from tenacity import retry, stop_after_delay, wait_fixed
+
+import gpuctl as gpuctl_package
+from gpuctl.target import tomllib
+from tests.cli.conftest import REPO
+from tests.cli.test_lifecycle import LONG, wait_for_state
+
+TERMINAL = {"TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1"}  # Rich takes the pipe for a terminal
+COLOR = re.compile(r"\x1b\[[0-9;]*(3[0-7]|9[0-7]|38;)")
+
+
+def test_sigkill_of_the_trainer_is_failed_and_of_the_whole_run_lost(gpuctl):
+    run = gpuctl.launch_fake(*LONG).json()
+    wait_for_state(gpuctl, "running")
+    os.kill(run["pid"], signal.SIGKILL)  # the trainer alone: its wrapper records the signal
+    doc = gpuctl.status()  # at once: never "running" once the trainer is gone
+    assert (doc["state"], doc["exit_code"]) == ("failed", 128 + signal.SIGKILL)
+    assert "failed (exit 137)" in gpuctl("status").stdout
+    assert gpuctl("logs", "--follow").code == 1
+
+    run = gpuctl.launch_fake(*LONG).json()
+    wait_for_state(gpuctl, "running")
+    os.killpg(run["pgid"], signal.SIGKILL)  # wrapper and trainer: nobody left to record an exit code
+    doc = gpuctl.status()
+    assert (doc["run_id"], doc["state"], doc["exit_code"]) == ("tl2", "lost", None)
+    assert doc["container"]["status"] == "running" and len(doc["gpus"]) == 2  # the container, as ever
+
+
+def test_status_sparkline_and_plot(gpuctl, tmp_path):
+    assert gpuctl("launch", "--python", "fake-trainer", "--set", "fake.steps=5", "--follow").code == 0
+    human = gpuctl("status").stdout
+    assert re.search(r"^loss\s+█\S*▁  10 → 2\s*$", human, re.MULTILINE), human  # losses 10, 5, 3.3, 2.5, 2
+
+    image = tmp_path / "tl1.png"
+    result = gpuctl("plot", "-o", str(image))
+    assert result.code == 0, result.stderr
+    assert "5 points of tl1" in result.stderr and result.stdout == ""
+    assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and image.stat().st_size > 10_000
+
+    gpuctl.launch_fake("steps=0")  # a run that logged nothing
+    nothing = gpuctl("plot", "-o", str(image))
+    assert nothing.code == 1 and "tl2 has no loss in its metrics yet" in nothing.stderr
+    assert gpuctl("plot", "-o", str(tmp_path / "x.jpg")).code == 2
+
+
+def test_plot_without_matplotlib_is_one_clear_line(gpuctl, tmp_path):
+    hide = "import sys; sys.modules['matplotlib'] = None; from gpuctl.cli import main; main()"
+    result = subprocess.run([sys.executable, "-c", hide, "plot", "-o", str(tmp_path / "x.png")], cwd=REPO,
+                            env=gpuctl.env, capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 2
+    assert result.stderr == "gpuctl: error: gpuctl plot needs matplotlib: pip install 'gpuctl[plot]'\n"
+
+
+def test_status_watch_refreshes_in_place_until_ctrl_c(gpuctl):
+    gpuctl.launch_fake("steps=60", "step_s=0.05")
+    watcher = gpuctl.popen("status", "--watch", "--interval", "0.2", env=TERMINAL)
+
+    @retry(stop=stop_after_delay(30), wait=wait_fixed(0.2), reraise=True)
+    def finished() -> None:
+        assert gpuctl.status()["state"] == "succeeded"
+
+    finished()
+    watcher.send_signal(signal.SIGINT)
+    out, err = watcher.communicate(timeout=20)
+    assert watcher.returncode == 130 and "Traceback" not in err, err
+    assert "stopped watching" in err
+    assert 0 <= out.find("running") < out.rfind("succeeded")  # the same screen, refreshed
+    assert "\x1b[2K" in out or "\x1b[1A" in out  # in place: cursor moved back over the previous table
+    assert gpuctl("status", "--watch", "--json").code == 2
+
+
+def test_version_completion_and_no_color(gpuctl):
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    result = gpuctl("--version")
+    assert (result.code, result.stdout) == (0, f"gpuctl {version}\n") and gpuctl_package.__version__ == version
+
+    completion = gpuctl(env={"_GPUCTL_COMPLETE": "complete_bash", "COMP_WORDS": "gpuctl sta", "COMP_CWORD": "1"})
+    assert completion.stdout.split() == ["status"]
+    options = gpuctl(env={"_GPUCTL_COMPLETE": "complete_bash", "COMP_WORDS": "gpuctl launch --res",
+                          "COMP_CWORD": "2"})
+    assert options.stdout.split() == ["--resume"]
+    assert "_GPUCTL_COMPLETE" in gpuctl("--show-completion", "bash").stdout
+
+    gpuctl("launch", "--python", "fake-trainer", "--set", "fake.steps=1", "--set", "fake.exit=3", "--follow")
+    colored = gpuctl("status", env=TERMINAL | {"NO_COLOR": ""})
+    plain = gpuctl("status", env=TERMINAL | {"NO_COLOR": "1"})
+    assert COLOR.search(colored.stdout) and "failed (exit 3)" in colored.stdout
+    assert not COLOR.search(plain.stdout) and "failed (exit 3)" in plain.stdout
