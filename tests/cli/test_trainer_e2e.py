@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from tenacity import retry, stop_after_delay, wait_fixed
 
@@ -43,3 +45,30 @@ def test_kill_lets_the_trainer_checkpoint_and_exit(gpuctl):
     assert (doc["state"], doc["exit_code"]) == ("killed", 0)
     assert "checkpoint" in gpuctl("logs", "-n", "3").stdout
     assert list(gpuctl.path("/workspace/runs/tiny/checkpoints").iterdir()), "no checkpoint written"
+
+
+def test_launch_resume_continues_from_the_checkpoint(gpuctl, tmp_path):
+    """A run of 6 steps, then `launch --resume` to 12: a new numbered log, the same config and output_dir,
+    the trainer's --resume, and step numbers that go on from the checkpoint."""
+    first = gpuctl("launch", "--config", "tiny", "--set", "max_steps=6", "--set", "log_every=1", "--set",
+                   "eval_every=0", "--set", "save_every=3", "--follow", timeout=600)
+    assert first.code == 0, first.stderr[-3000:]
+    assert "step 6/6" in first.stdout
+
+    resumed = gpuctl("launch", "--resume", "--set", "max_steps=12", "--follow", timeout=600)
+    assert resumed.code == 0, resumed.stderr[-3000:]
+    assert "started tl2" in resumed.stderr and "resuming tl1" in resumed.stderr
+    assert "resumed from runs/tiny/checkpoints/step_00000006 at step 6" in resumed.stdout
+    metrics = gpuctl.path("/workspace/.gpuctl/tl2.metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in metrics] == list(range(7, 13))  # step numbers go on
+    assert gpuctl.path("/workspace/train_tl1.log").read_text().rstrip().endswith("done: 6 steps")  # untouched
+    record = json.loads(gpuctl.path("/workspace/.gpuctl/tl2.json").read_text())
+    assert record["resumed_from"] == 1 and record["config"] == "tiny"
+    assert record["sets"] == ["max_steps=6", "log_every=1", "eval_every=0", "save_every=3", "max_steps=12"]
+    doc = gpuctl.status()
+    assert (doc["run_id"], doc["resumed_from"], doc["state"]) == ("tl2", "tl1", "succeeded")
+    assert (doc["progress"]["step"], doc["progress"]["total_steps"]) == (12, 12)
+
+    image = tmp_path / "resumed.png"
+    plotted = gpuctl("plot", "-o", str(image))
+    assert plotted.code == 0 and "12 points of tl2" in plotted.stderr  # the whole chain: tl1's steps, tl2's
