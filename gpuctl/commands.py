@@ -387,7 +387,7 @@ class MetricsHistory:
 
     runs: list[Run]
     records: list[dict[str, Any]]  # by step; a resumed run's records replace its predecessor's from its first step
-    resumed_at: list[int]  # the first step of each resumed run
+    resumed_at: list[float]  # where each resumed run took over: between its predecessor's last step and its first
 
 
 def metrics_history(ct: Container, run_number: int = 0) -> MetricsHistory:
@@ -409,8 +409,9 @@ def metrics_history(ct: Container, run_number: int = 0) -> MetricsHistory:
     for i, (_, lines) in enumerate(chain):
         steps = [r["step"] for r in lines]
         if i and steps:
-            resumed_at.append(min(steps))
             records = [r for r in records if r["step"] < min(steps)]
+            before = max((r["step"] for r in records), default=min(steps) - 1)
+            resumed_at.append((before + min(steps)) / 2)
         records += lines
     return MetricsHistory([run for run, _ in chain], records, resumed_at)
 

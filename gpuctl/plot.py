@@ -1,6 +1,7 @@
 """`gpuctl plot`: a run's loss and tokens/s against step, drawn with matplotlib (the optional extra `plot`).
 
-A resumed run is drawn with the runs it continued, a dashed line where each resumed run took over.
+A resumed run is drawn with the runs it continued, a dashed line where each resumed run took over (the
+metrics are fetched over SSH; the figure is drawn here).
 """
 
 from __future__ import annotations
@@ -51,7 +52,10 @@ def draw(history: MetricsHistory, path: Path) -> int:
     for ax in (loss_ax, rate_ax):
         ax.grid(True, alpha=0.3)
         for step in history.resumed_at:
-            ax.axvline(step - 0.5, color="gray", linestyle="--", linewidth=1)
+            ax.axvline(step, color="gray", linestyle="--", linewidth=1)
+    for step, run in zip(history.resumed_at, history.runs[1:]):
+        loss_ax.text(step, 0.97, f" {run.run_id} resumed", transform=loss_ax.get_xaxis_transform(), va="top",
+                     color="gray", fontsize=9)
     runs = " → ".join(run.run_id for run in history.runs)
     latest = history.runs[-1]
     total = next((r.get("total_steps") for r in reversed(history.records) if r.get("total_steps")), None)

@@ -146,3 +146,13 @@ def test_profiles_count_where_they_are_named(xdg):
     assert target.resolve(target.TargetFlags(profile="a", ct=303), env={}).ct == 303
     with pytest.raises(GpuctlError, match=r"no profile 'c' .*\(profiles: a, b\)"):
         target.resolve(target.TargetFlags(profile="c"), env={})
+
+
+def test_resume_takes_an_optional_run_number():
+    from gpuctl.cli import _bare_resume
+
+    assert _bare_resume(["launch", "--resume"]) == ["launch", "--resume="]
+    assert _bare_resume(["launch", "--resume", "--follow"]) == ["launch", "--resume=", "--follow"]
+    assert _bare_resume(["launch", "--resume", "tl3", "pve/200"]) == ["launch", "--resume", "tl3", "pve/200"]
+    assert _bare_resume(["launch", "--resume", "7"]) == ["launch", "--resume", "7"]
+    assert _bare_resume(["status", "--resume"]) == ["status", "--resume"]  # not launch's: left to the parser
