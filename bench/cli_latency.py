@@ -2,9 +2,11 @@
 
     python bench/cli_latency.py [--runs N]
 
-For launch (to verified-running, with the fake trainer so the trainer's own start-up is excluded), status and
+For launch (to verified-running, with the fake trainer so the trainer's own start-up is excluded; into a fresh
+container, which gets the whole package, and again, when nothing changed and no file travels), status and
 `logs -n 20`: the median of N runs of the command's work in-process (connect + remote commands, no interpreter
-start-up), the median wall time of the whole CLI process, and the number of SSH round trips (remote commands).
+start-up), the median wall time of the whole CLI process, the number of SSH round trips (remote commands) and
+the file bytes the SSH layer sent.
 Aim (issue 2): launch <= 1.5 s, status <= 0.5 s on loopback.
 """
 
@@ -29,21 +31,23 @@ CTID = 200
 FAKE = ["fake.steps=1000000", "fake.step_s=0.05"]
 
 
-def timed_in_process(operation, flags: target.TargetFlags, runs: int, after=None) -> tuple[float, int, float]:
-    """Median seconds of connect + operation, the remote commands it issued, the median connect time."""
-    seconds, connects, trips = [], [], set()
-    for _ in range(runs):
+def timed_in_process(operation, flags, runs: int, after=None) -> tuple[float, int, float, int]:
+    """Median seconds of connect + operation, the remote commands it issued, the median connect time, the
+    median file bytes sent. `flags` is a TargetFlags, or a function of the run's index that gives one."""
+    seconds, connects, trips, sent = [], [], set(), []
+    for i in range(runs):
         start = time.perf_counter()
-        t = target.resolve(flags)
+        t = target.resolve(flags(i) if callable(flags) else flags)
         with commands.connected(t) as ct:
             operation(ct, t)
         seconds.append(time.perf_counter() - start)
         connects.append(ssh.STATS.connect_s)
         trips.add(ssh.STATS.remote_commands)
+        sent.append(ssh.STATS.sent["files"])
         if after:
             after(t)
     assert len(trips) == 1, f"the number of remote commands varied: {trips}"
-    return statistics.median(seconds), trips.pop(), statistics.median(connects)
+    return statistics.median(seconds), trips.pop(), statistics.median(connects), int(statistics.median(sent))
 
 
 def timed_cli(args: list[str], env: dict[str, str], runs: int, after=None) -> float:
@@ -79,11 +83,23 @@ def main() -> None:
                     commands.kill(ct, 0, "KILL", grace=5, notify=lambda _: None)
 
             rows = []
+
+            def fresh_container(i: int) -> target.TargetFlags:
+                host.add_container(CTID + 1 + i)
+                return target.TargetFlags(host=ALIAS, ct=CTID + 1 + i, ssh_config=str(host.ssh_config))
+
+            def stop_that_run(t) -> None:
+                with commands.connected(t) as ct:
+                    commands.kill(ct, 0, "KILL", grace=5, notify=lambda _: None)
+
+            first = timed_in_process(lambda ct, t: commands.launch(ct, t, options, notify=lambda _: None),
+                                     fresh_container, args.runs, after=stop_that_run)
+            rows.append(("launch, first (whole package)", first, None))
             launch = timed_in_process(lambda ct, t: commands.launch(ct, t, options, notify=lambda _: None), flags,
                                       args.runs, after=stop_run)
             sets = [arg for item in FAKE for arg in ("--set", item)]
             launch_cli = timed_cli(["launch", "--python", "fake-trainer", *sets], env, args.runs, after=stop_run)
-            rows.append(("launch (to verified running)", launch, launch_cli))
+            rows.append(("launch, again (to verified running)", launch, launch_cli))
             # A running run for status and logs to read.
             with commands.connected(target.resolve(flags)) as ct:
                 commands.launch(ct, target.resolve(flags), options, notify=lambda _: None)
@@ -100,10 +116,12 @@ def main() -> None:
             host.stop()
 
     print(f"gpuctl on the stand-in host (sshd on 127.0.0.1), median of {args.runs} runs each")
-    print(f"{'command':<30} {'in-process':>11} {'CLI wall':>9} {'remote cmds':>12} {'connect':>8}")
-    for name, (seconds, trips, connect), cli_s in rows:
-        print(f"{name:<30} {seconds:>9.3f} s {cli_s:>7.3f} s {trips:>12d} {connect * 1000:>5.0f} ms")
-    print(f"{'(python -c import gpuctl.cli)':<30} {'':>11} {import_s:>7.3f} s")
+    print(f"{'command':<36} {'in-process':>11} {'CLI wall':>9} {'remote cmds':>12} {'connect':>8} "
+          f"{'file bytes sent':>16}")
+    for name, (seconds, trips, connect, sent), cli_s in rows:
+        wall = f"{cli_s:>7.3f} s" if cli_s is not None else f"{'-':>9}"
+        print(f"{name:<36} {seconds:>9.3f} s {wall} {trips:>12d} {connect * 1000:>5.0f} ms {sent:>16d}")
+    print(f"{'(python -c import gpuctl.cli)':<36} {'':>11} {import_s:>7.3f} s")
 
 
 if __name__ == "__main__":
