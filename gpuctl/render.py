@@ -236,7 +236,8 @@ def launch_result(result: LaunchResult, as_json: bool, to_stderr: bool, show_tai
     out.print(Text.assemble("started ", (run.run_id, "bold"), f" (pid {run.record.get('pid')}, "
                             f"process group {run.record.get('pgid')}{resumed}): ", state_text(run)))
     plan = result.plan
-    sent = (f"sent {len(plan.changed)} changed files, {size(result.sent_file_bytes)}" if plan.changed
+    changed = len(plan.changed)
+    sent = (f"sent {changed} changed file{'s' * (changed != 1)}, {size(result.sent_file_bytes)}" if changed
             else "unchanged, nothing sent")
     out.print(Text(f"log: {run.log_path}   (package: {len(result.package.files)} files, "
                    f"{size(result.package.size)}; {sent})"))
