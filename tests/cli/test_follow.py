@@ -4,8 +4,10 @@ already written (every line exactly once, in order); a link gone for good ends i
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
 
+import pytest
 from tenacity import retry, stop_after_delay, wait_fixed
 
 from tests.sandbox.forwarder import Forwarder
@@ -42,59 +44,55 @@ def test_follow_survives_two_dropped_connections(gpuctl, standin):
     assert out == log  # every line exactly once, in order
 
 
-def test_follow_hears_a_silent_link_and_gives_up_on_a_gone_host(gpuctl, standin, tmp_path):
+@pytest.fixture
+def link(gpuctl, standin, tmp_path):
+    """The stand-in host reached through a Forwarder (a link the test can break), and a long run to follow."""
+    forwarder = Forwarder(standin.port)
+    known_hosts = tmp_path / "known_hosts"
+    known_hosts.write_text(standin.known_hosts_line(forwarder.port))
+    config = tmp_path / "ssh_config"
+    config.write_text(standin.ssh_config_entry("through-forwarder", known_hosts, forwarder.port))
+    assert gpuctl.launch_fake("steps=100000", "step_s=0.05").code == 0
+    yield forwarder, {"GPUCTL_SSH_CONFIG": str(config), "GPUCTL_HOST": "through-forwarder"}
+    forwarder.close()
+    assert gpuctl("kill", "--grace", "5").code == 0
+
+
+def follow_through(gpuctl, link, **env: str) -> subprocess.Popen:
+    forwarder, through = link
+    follower = gpuctl.popen("logs", "--follow", env=through | env)
+    accepted(forwarder, 1)
+    time.sleep(1.0)  # streaming
+    return follower
+
+
+def test_follow_hears_a_silent_link_and_gives_up_on_a_gone_host(gpuctl, link):
     """A link that goes silent (no FIN, no RST) is noticed by the missing heartbeat; a host that stays
     unreachable longer than the reconnect bound ends the follow with exit 3."""
-    forwarder = Forwarder(standin.port)
-    try:
-        known_hosts = tmp_path / "known_hosts"
-        known_hosts.write_text(standin.known_hosts_line(forwarder.port))
-        config = tmp_path / "ssh_config"
-        config.write_text(standin.ssh_config_entry("through-forwarder", known_hosts, forwarder.port))
-        env = {"GPUCTL_SSH_CONFIG": str(config), "GPUCTL_HOST": "through-forwarder", "GPUCTL_HEARTBEAT": "0.3",
-               "GPUCTL_RECONNECT_TIMEOUT": "2"}
-        assert gpuctl.launch_fake("steps=100000", "step_s=0.05").code == 0
-        follower = gpuctl.popen("logs", "--follow", env=env)
-        accepted(forwarder, 1)
-        time.sleep(1.0)  # streaming
-        forwarder.freeze()  # the open connection hears nothing more; new ones work
-
-        accepted(forwarder, 2)  # heard nothing, reconnected
-        time.sleep(0.5)
-        forwarder.down()
-        forwarder.cut()
-        started = time.monotonic()
-        out, err = follower.communicate(timeout=30)
-        assert follower.returncode == 3, err
-        assert time.monotonic() - started < 10
-        assert "nothing heard for" in err and "no new connection within 2 s" in err
-        assert out.startswith("argv: ") and out.count("\n") > 5
-        assert gpuctl.path("/workspace/train_tl1.log").read_text().startswith(out)  # in order, none twice
-    finally:
-        forwarder.close()
-        assert gpuctl("kill", "--grace", "5").code == 0
+    forwarder, _ = link
+    follower = follow_through(gpuctl, link, GPUCTL_HEARTBEAT="0.3", GPUCTL_RECONNECT_TIMEOUT="2")
+    forwarder.freeze()  # the open connection hears nothing more; new ones work
+    accepted(forwarder, 2)  # heard nothing, reconnected
+    time.sleep(0.5)
+    forwarder.down()
+    forwarder.cut()
+    started = time.monotonic()
+    out, err = follower.communicate(timeout=30)
+    assert follower.returncode == 3, err
+    assert time.monotonic() - started < 10
+    assert "nothing heard for" in err and "no new connection within 2 s" in err
+    assert out.startswith("argv: ") and out.count("\n") > 5
+    assert gpuctl.path("/workspace/train_tl1.log").read_text().startswith(out)  # in order, none twice
 
 
-def test_follow_ctrl_c_while_reconnecting_is_clean(gpuctl, standin, tmp_path):
+def test_follow_ctrl_c_while_reconnecting_is_clean(gpuctl, link):
     """Ctrl-C during the backoff detaches like any Ctrl-C: exit 130, no traceback, the run goes on."""
-    forwarder = Forwarder(standin.port)
-    try:
-        known_hosts = tmp_path / "known_hosts"
-        known_hosts.write_text(standin.known_hosts_line(forwarder.port))
-        config = tmp_path / "ssh_config"
-        config.write_text(standin.ssh_config_entry("through-forwarder", known_hosts, forwarder.port))
-        env = {"GPUCTL_SSH_CONFIG": str(config), "GPUCTL_HOST": "through-forwarder"}
-        assert gpuctl.launch_fake("steps=100000", "step_s=0.05").code == 0
-        follower = gpuctl.popen("logs", "--follow", env=env)
-        accepted(forwarder, 1)
-        time.sleep(1.0)
-        forwarder.down()
-        forwarder.cut()
-        time.sleep(1.0)  # reconnecting, with backoff
-        follower.send_signal(signal.SIGINT)
-        _, err = follower.communicate(timeout=20)
-        assert follower.returncode == 130 and "Traceback" not in err, err
-        assert gpuctl.status()["state"] == "running"
-    finally:
-        forwarder.close()
-        assert gpuctl("kill", "--grace", "5").code == 0
+    forwarder, _ = link
+    follower = follow_through(gpuctl, link)
+    forwarder.down()
+    forwarder.cut()
+    time.sleep(1.0)  # reconnecting, with backoff
+    follower.send_signal(signal.SIGINT)
+    _, err = follower.communicate(timeout=20)
+    assert follower.returncode == 130 and "Traceback" not in err, err
+    assert gpuctl.status()["state"] == "running"
