@@ -3,6 +3,11 @@ checked on both hops, and config.toml profiles."""
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
+
 import pytest
 
 from tests.sandbox import StandInHost
@@ -80,3 +85,21 @@ def test_profiles_of_config_toml(gpuctl, standin, tmp_path):
     assert gpuctl("status", "--profile", "lab", "--ct", "99999", env=bare).code == 4  # an option beats its profile
     unknown = gpuctl("status", "--profile", "nope", env=bare)
     assert unknown.code == 2 and "no profile 'nope'" in unknown.stderr and "lab, other" in unknown.stderr
+
+
+def test_key_from_the_agent(gpuctl, standin, tmp_path):
+    """No IdentityFile, no key in ~/.ssh: the agent's key logs in."""
+    started = subprocess.run(["ssh-agent", "-s"], capture_output=True, text=True, check=True).stdout
+    agent = dict(re.findall(r"(SSH_AUTH_SOCK|SSH_AGENT_PID)=([^;]+);", started))
+    try:
+        subprocess.run(["ssh-add", "-q", str(standin.client_key)], env={**os.environ, **agent}, check=True,
+                       capture_output=True)
+        config = tmp_path / "ssh_config"
+        config.write_text("".join(line + "\n" for line in standin.ssh_config_entry().splitlines()
+                                  if "IdentityFile" not in line))
+        env = {"GPUCTL_SSH_CONFIG": str(config)}
+        assert gpuctl("status", env=env).code == 3  # no key anywhere
+        with_agent = gpuctl("status", env=env | {"SSH_AUTH_SOCK": agent["SSH_AUTH_SOCK"]})
+        assert with_agent.code == 0, with_agent.stderr
+    finally:
+        os.kill(int(agent["SSH_AGENT_PID"]), signal.SIGTERM)
