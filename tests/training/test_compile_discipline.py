@@ -133,14 +133,20 @@ def run_threads(target, count: int) -> list[BaseException | None]:
         except BaseException as error:  # noqa: BLE001 - reported to the test
             errors[index] = error
 
-    threads = [threading.Thread(target=guarded, args=(i,), daemon=True) for i in range(count)]
+    hung = start_and_join(guarded, count, THREAD_TIMEOUT_S)
+    assert not hung, f"threads still running after {THREAD_TIMEOUT_S} s (a hang)"
+    return errors
+
+
+def start_and_join(target, count: int, timeout_s: float) -> bool:
+    """Run target(index) in `count` daemon threads; True if any is still running after `timeout_s` (a hang)."""
+    threads = [threading.Thread(target=target, args=(i,), daemon=True) for i in range(count)]
     for thread in threads:
         thread.start()
-    deadline = time.monotonic() + THREAD_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
-    assert not any(t.is_alive() for t in threads), f"threads still running after {THREAD_TIMEOUT_S} s (a hang)"
-    return errors
+    return any(t.is_alive() for t in threads)
 
 
 def cache_entries(fn) -> int:
@@ -247,19 +253,14 @@ def run_undisciplined(threads: int = 4, steps: int = 12, watchdog_s: float = THR
                 with lock:
                     outcome[kind] += 1
 
-    workers = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(threads)]
-    for thread in workers:
-        thread.start()
-    deadline = time.monotonic() + watchdog_s
-    for thread in workers:
-        thread.join(max(0.0, deadline - time.monotonic()))
+    hung = start_and_join(worker, threads, watchdog_s)
     return {
         "keys": len(SHAPES) * 2,
         "cache_entries": cache_entries(flex_attention_cpu_backward),
         "eager_runs_after_warmup": audit.eager_runs,
         "fx_traces_after_warmup": audit.fx_traces,
         "compiles_after_warmup": events.count - compiles_at_warmup,
-        "hang": any(t.is_alive() for t in workers),
+        "hang": hung,
         "fx_tracing_flag": fx_tracing_flag(),
         **outcome,
     }
