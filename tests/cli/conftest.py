@@ -5,11 +5,14 @@ the user's ~/.ssh or ~/.local is read or written). Trainer fixtures live in test
 
 from __future__ import annotations
 
+import codecs
 import itertools
 import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +32,57 @@ class Result:
 
     def json(self):
         return json.loads(self.stdout)
+
+
+class Output:
+    """A process's stdout, read as it arrives (in a thread), so a test waits for what it will assert on rather
+    than for a proxy seen through another connection."""
+
+    def __init__(self, process: subprocess.Popen):
+        self.process = process
+        self._chunks: list[str] = []
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        while chunk := os.read(self.process.stdout.fileno(), 65536):  # raw: never waits for a line's end
+            with self._changed:
+                self._chunks.append(decoder.decode(chunk))
+                self._changed.notify_all()
+        with self._changed:
+            self._changed.notify_all()
+
+    @property
+    def text(self) -> str:
+        with self._changed:
+            return "".join(self._chunks)
+
+    def wait_for(self, needle: str, timeout: float = 30) -> str:
+        """Block until needle has appeared in the output; the output so far."""
+        return self._wait_until(lambda text: needle in text, repr(needle), timeout)
+
+    def wait_for_more(self, than: int, timeout: float = 30) -> str:
+        """Block until the output is longer than `than` characters; the output so far."""
+        return self._wait_until(lambda text: len(text) > than, f"more than {than} characters", timeout)
+
+    def _wait_until(self, done, what: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not done(text := "".join(self._chunks)):
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._thread.is_alive():
+                    raise AssertionError(f"never saw {what} in the output: {text[-2000:]!r}")
+                self._changed.wait(min(left, 0.5))
+            return text
+
+    def finish(self, timeout: float = 20) -> tuple[str, str]:
+        """Wait for the process to end: all of its stdout, and its stderr."""
+        err = self.process.stderr.read()  # to its end: the process has ended (or closed it)
+        self.process.wait(timeout=timeout)
+        self._thread.join(timeout=timeout)
+        return self.text, err
 
 
 class Gpuctl:

@@ -11,6 +11,8 @@ import pytest
 
 from tests.sandbox import ALIAS
 
+pytestmark = pytest.mark.sshd
+
 
 def one_line_error(result) -> str:
     assert "Traceback" not in result.stderr

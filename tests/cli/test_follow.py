@@ -10,7 +10,10 @@ import time
 import pytest
 from tenacity import retry, stop_after_delay, wait_fixed
 
+from tests.cli.conftest import Output
 from tests.sandbox.forwarder import Forwarder
+
+pytestmark = pytest.mark.sshd
 
 # About 4 s of log lines: long enough to drop the connection twice while they stream.
 STREAMING = ("steps=200", "step_s=0.02")
@@ -18,6 +21,7 @@ STREAMING = ("steps=200", "step_s=0.02")
 
 @retry(stop=stop_after_delay(20), wait=wait_fixed(0.05), reraise=True)
 def connected_to(standin, pid: int) -> list[int]:
+    """The sshd processes of gpuctl's connection, once it has (re)connected."""
     found = standin.connection_processes(pid)
     assert found, f"gpuctl (pid {pid}) has no connection to the stand-in sshd"
     return found
@@ -30,13 +34,13 @@ def accepted(forwarder: Forwarder, connections: int) -> None:
 
 def test_follow_survives_two_dropped_connections(gpuctl, standin):
     assert gpuctl.launch_fake(*STREAMING).code == 0
-    follower = gpuctl.popen("logs", "--follow")  # (its stdout is read only at the end, all of it)
+    follower = gpuctl.popen("logs", "--follow")
+    output = Output(follower)
     for _ in range(2):
         connected_to(standin, follower.pid)
-        time.sleep(0.4)  # some lines more on this connection
+        output.wait_for_more(len(output.text))  # some lines more on this connection
         assert standin.drop_connections(follower.pid), "no sshd process to kill"
-        time.sleep(0.1)
-    out, err = follower.communicate(timeout=60)
+    out, err = output.finish(timeout=60)
     log = gpuctl.path("/workspace/train_tl1.log").read_text()
     assert follower.returncode == 0, err
     assert err.count("reconnected to") == 2, err

@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 
+import pytest
+from tenacity import retry, stop_after_delay, wait_fixed
+
 from tests.cli.test_lifecycle import LONG, alive
+
+pytestmark = pytest.mark.sshd
 
 
 def records(gpuctl) -> list[str]:
@@ -51,13 +57,18 @@ def test_a_launcher_that_dies_holding_the_lock_frees_it(gpuctl):
     assert after.json()["run_id"] == "tl2"
 
 
+@retry(stop=stop_after_delay(20), wait=wait_fixed(0.05), reraise=True)
+def lock_held(path) -> None:
+    assert subprocess.run(["flock", "-n", str(path), "true"], check=False).returncode != 0, f"{path} is free"
+
+
 def test_stale_lock_is_taken_over(gpuctl, standin, ctid):
     """A holder that overran its own deadline (its workstation gone, its side in the container stuck) is ended
     and its lock taken over; one within its deadline is respected, and named."""
     lock_dir = gpuctl.path("/workspace/.gpuctl")
     lock_dir.mkdir(parents=True)
     stuck = standin.start_detached(ctid, "flock --close /workspace/.gpuctl/launch.lock sleep 300")
-    time.sleep(0.2)  # flock has the lock and runs sleep
+    lock_held(lock_dir / "launch.lock")  # flock has the lock and runs sleep
     holder = "ada@workstation-2 (gpuctl pid 4242, since 2026-11-30T10:00:00+00:00)"
     line = f"{{deadline}} {stuck} {proc_start(stuck)} {holder}\n"
 

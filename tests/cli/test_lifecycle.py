@@ -10,6 +10,8 @@ import time
 import pytest
 from tenacity import retry, stop_after_delay, wait_fixed
 
+pytestmark = pytest.mark.sshd
+
 LONG = ("steps=100000", "step_s=0.05")
 
 
@@ -28,6 +30,13 @@ def wait_for_state(gpuctl, state: str) -> dict:
     return doc
 
 
+@retry(stop=stop_after_delay(20), wait=wait_fixed(0.1), reraise=True)
+def first_step_logged(gpuctl):
+    logs = gpuctl("logs")
+    assert "step 1/100000" in logs.stdout, logs.stdout
+    return logs
+
+
 def test_full_lifecycle_launch_status_logs_kill(gpuctl, standin, ctid):
     launched = gpuctl.launch_fake(*LONG, "child=1")
     assert launched.code == 0, launched.stderr
@@ -43,10 +52,9 @@ def test_full_lifecycle_launch_status_logs_kill(gpuctl, standin, ctid):
     assert doc["gpus"][0]["memory_total_mib"] == 143771
 
     wait_for_state(gpuctl, "running")
-    logs = gpuctl("logs")
+    logs = first_step_logged(gpuctl)
     assert logs.code == 0
     assert logs.stdout.startswith("argv: ")
-    assert "step 1/100000" in logs.stdout
     assert logs.stdout == gpuctl.path("/workspace/train_tl1.log").read_text()[:len(logs.stdout)]
 
     human = gpuctl("status")

@@ -12,6 +12,8 @@ import pytest
 
 from tests.sandbox import StandInHost
 
+pytestmark = pytest.mark.sshd
+
 BEHIND = "pve-behind"
 
 

@@ -15,6 +15,8 @@ from tenacity import retry, stop_after_delay, wait_fixed
 from gpuctl import cli, render
 from tests.cli.conftest import REPO, Gpuctl
 
+pytestmark = pytest.mark.sshd
+
 FAKE = ("--python", "fake-trainer", "--set", "fake.steps=1")
 
 

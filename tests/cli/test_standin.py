@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 
 import pytest
 from tenacity import retry, stop_after_delay, wait_fixed
+
+from tests.cli.conftest import REPO
+
+pytestmark = pytest.mark.sshd
 
 
 def ssh(standin, command: str) -> subprocess.CompletedProcess:
@@ -79,3 +84,30 @@ def test_nvidia_smi_query(standin, ctid, fmt, expected):
     standin.set_gpus(ctid, [])
     none = ssh(standin, f"pct exec {ctid} -- nvidia-smi")
     assert (none.returncode, none.stdout.strip()) == (6, "No devices were found")
+
+
+def test_an_interpreter_under_tmp_runs_a_launch_to_its_end(tmp_path):
+    """The CLI tests do not depend on where Python lives: with a virtual environment under /tmp (a path `pct
+    exec` mounts over with the container's own), the stand-in host still runs a launch to its end."""
+    venv = tmp_path / "venv"  # pytest's tmp_path is under /tmp
+    assert str(venv).startswith("/tmp/")
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUCTL_", "SSH_", "XDG_"))}
+    env.update(HOME=str(tmp_path), XDG_STATE_HOME=str(tmp_path / "state"), PYTHONPATH=str(REPO), NO_COLOR="1")
+    standin = tmp_path / "standin"
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([python, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+                              check=False)
+
+    up = run("-m", "tests.sandbox", "up", "--dir", str(standin))
+    assert up.returncode == 0, up.stderr
+    try:
+        env.update(line.removeprefix("export ").split("=", 1) for line in up.stdout.splitlines())
+        env.update((k, v.strip("'")) for k, v in list(env.items()) if k.startswith("GPUCTL_"))
+        launched = run("-m", "gpuctl", "launch", "--python", "fake-trainer", "--set", "fake.steps=2", "--follow")
+        assert launched.returncode == 0, launched.stderr
+        assert launched.stdout.rstrip().endswith("done, exit 0")
+    finally:
+        run("-m", "tests.sandbox", "down", "--dir", str(standin))

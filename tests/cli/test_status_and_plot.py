@@ -9,12 +9,14 @@ import signal
 import subprocess
 import sys
 
-from tenacity import retry, stop_after_delay, wait_fixed
+import pytest
 
 import gpuctl as gpuctl_package
 from gpuctl.target import tomllib
-from tests.cli.conftest import REPO
+from tests.cli.conftest import REPO, Output
 from tests.cli.test_lifecycle import LONG, wait_for_state
+
+pytestmark = pytest.mark.sshd
 
 TERMINAL = {"TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1"}  # Rich takes the pipe for a terminal
 COLOR = re.compile(r"\x1b\[[0-9;]*(3[0-7]|9[0-7]|38;)")
@@ -65,14 +67,10 @@ def test_plot_without_matplotlib_is_one_clear_line(gpuctl, tmp_path):
 def test_status_watch_refreshes_in_place_until_ctrl_c(gpuctl):
     gpuctl.launch_fake("steps=60", "step_s=0.05")
     watcher = gpuctl.popen("status", "--watch", "--interval", "0.2", env=TERMINAL)
-
-    @retry(stop=stop_after_delay(30), wait=wait_fixed(0.2), reraise=True)
-    def finished() -> None:
-        assert gpuctl.status()["state"] == "succeeded"
-
-    finished()
+    screen = Output(watcher)
+    screen.wait_for("succeeded", timeout=60)  # the watcher's own screen, not another connection's status
     watcher.send_signal(signal.SIGINT)
-    out, err = watcher.communicate(timeout=20)
+    out, err = screen.finish()
     assert watcher.returncode == 130 and "Traceback" not in err, err
     assert "stopped watching" in err
     assert 0 <= out.find("running") < out.rfind("succeeded")  # the same screen, refreshed

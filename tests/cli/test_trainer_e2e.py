@@ -7,10 +7,7 @@ import json
 import pytest
 from tenacity import retry, stop_after_delay, wait_fixed
 
-from tests.cli.conftest import REPO
-
-pytestmark = pytest.mark.skipif(not (REPO / "training" / "train.py").exists(),
-                                reason="the trainer (training/train.py) is not in this checkout yet")
+pytestmark = [pytest.mark.sshd, pytest.mark.e2e]
 
 
 def test_tiny_preset_end_to_end(gpuctl):

@@ -43,6 +43,17 @@ def install_script(source: Path, target: Path) -> None:
     target.chmod(0o755)
 
 
+def interpreter_dirs() -> list[str]:
+    """The directories this interpreter runs from (its prefixes and the directory of its executable, also as
+    reached through links): `pct exec` shows them inside the container even where they live under a path the
+    container mounts over (/tmp, say: a virtual environment made there), so the container's python3 runs."""
+    found = set()
+    for path in (sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(sys.executable)):
+        found |= {os.path.abspath(path), os.path.realpath(path)}
+    # The outermost ones: a directory inside another is shown with it.
+    return sorted(d for d in found if not any(d != o and d.startswith(o.rstrip("/") + "/") for o in found))
+
+
 def _socket_inodes(pid: int) -> set[str]:
     found = set()
     try:
@@ -107,6 +118,7 @@ class StandInHost:
         (self.root / "containers").mkdir(exist_ok=True)
         (self.root / "home").mkdir(exist_ok=True)
         install_script(HERE / "pct.py", self.root / "bin" / "pct")
+        (self.root / "interpreter.json").write_text(json.dumps(interpreter_dirs()))
         for key in (self.host_key, self.client_key):
             if not key.exists():
                 subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "gpuctl-standin", "-f",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -29,6 +30,16 @@ MOUNTED = ("/root/gpuctl", "/workspace", "/tmp")
 # the container's /tmp does not hide it.
 CT_BIN_MOUNT = "/run/gpuctl-standin-bin"
 MARKER = "GPUCTL_STANDIN_CT"
+INTERPRETER_ASIDE = "/run/gpuctl-standin-python"
+
+
+def hidden_interpreter_dirs() -> list[str]:
+    """The interpreter's directories (written by the stand-in host at start) that a mounted path would hide."""
+    try:
+        dirs = json.loads((STATE / "interpreter.json").read_text())
+    except (OSError, ValueError):
+        return []
+    return [d for d in dirs if any(d == m or d.startswith(m + "/") for m in MOUNTED)]
 
 
 class PctError(Exception):
@@ -169,7 +180,15 @@ def cmd_exec(args: list[str]) -> int:
         source.mkdir(parents=True, exist_ok=True)
         os.makedirs(mountpoint, exist_ok=True)  # an empty mount point on the host
     # /tmp is bound last: the state dir may itself live under the host's /tmp.
-    setup = " && ".join(f'mount --bind "${i + 1}" {m}' for i, (_, m) in enumerate(binds))
+    steps = [f'mount --bind "${i + 1}" {m}' for i, (_, m) in enumerate(binds)]
+    # The interpreter the stand-in was started with (the container's python3 runs it) stays visible where a
+    # mounted path would hide it: bound aside before the mounts, back in its place after them.
+    for i, path in enumerate(hidden_interpreter_dirs()):
+        aside = f"{INTERPRETER_ASIDE}/{i}"
+        os.makedirs(aside, exist_ok=True)
+        steps.insert(0, f"mount --bind {shlex.quote(path)} {aside}")
+        steps.append(f"mkdir -p {shlex.quote(path)} && mount --bind {aside} {shlex.quote(path)}")
+    setup = " && ".join(steps)
     # Without sshd's SSH_CLIENT, bash does not read ~/.bashrc: this machine's own /root/.bashrc is not the
     # container's (a real container has its own /root).
     env = {k: v for k, v in os.environ.items() if k not in ("SSH_CLIENT", "SSH2_CLIENT", "SSH_CONNECTION")}

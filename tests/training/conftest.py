@@ -1,4 +1,5 @@
-"""Shared fixtures for the trainer tests: few CPU threads, a `gpu` marker, one tiny world per session."""
+"""Shared fixtures for the trainer tests: few CPU threads, `gpu` tests skipped without CUDA, one tiny world per
+session."""
 
 from __future__ import annotations
 
@@ -9,10 +10,6 @@ import pytest
 import torch
 
 torch.set_num_threads(1)
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs CUDA (skipped without it)")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -301,6 +301,7 @@ def read_losses(path: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines()) if "loss" in r}
 
 
+@pytest.mark.e2e
 def test_trainer_resume_with_read_ahead_targets_equals_a_straight_run(tiny_world, tmp_path):
     """Targets read micro-batches ahead of the step being checkpointed: the checkpoint must hold the data
     position of its own step, or the resumed run trains on other batches. One drafter: exact equality."""
@@ -317,6 +318,7 @@ def test_trainer_resume_with_read_ahead_targets_equals_a_straight_run(tiny_world
     assert resumed == {step: straight[step] for step in range(5, 9)}
 
 
+@pytest.mark.e2e
 def test_trainer_thread_failure_exits_non_zero_with_its_traceback(tiny_world, tmp_path):
     inject = (
         "import sys, training.train as t\n"
@@ -338,6 +340,7 @@ def test_trainer_thread_failure_exits_non_zero_with_its_traceback(tiny_world, tm
     assert "error: drafter" in result.stderr and "RuntimeError: injected drafter failure" in result.stderr
 
 
+@pytest.mark.e2e
 def test_trainer_sigterm_with_several_threads_saves_and_exits_0(tiny_world, tmp_path):
     command = [sys.executable, "-m", "training.train",
                *tiny_args(tiny_world, tmp_path, "max_steps=100000", "log_every=1", "save_every=100000")]
@@ -407,6 +410,7 @@ def test_gpu_replicas_match_single_replica_and_stay_identical(target_gpus, draft
 
 
 @pytest.mark.gpu
+@pytest.mark.e2e
 @pytest.mark.parametrize("targets,drafters", [([0, 0], [0, 0]), ([0], [1]), ([0, 1], [0, 1])])
 def test_gpu_trainer_through_the_pipeline_compiles_nothing_after_warm_up(tiny_world, tmp_path, targets,
                                                                         drafters):

@@ -11,10 +11,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from training.checkpoint import latest_checkpoint, list_checkpoints
 from training.train import main
 
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.e2e
 
 
 def read_metrics(path: Path) -> list[dict]:
