@@ -192,7 +192,7 @@ def _script_values(target: Target, opts: LaunchOptions) -> dict[str, Any]:
     return {
         "stage_dir": STAGE_DIR, "log_dir": opts.log_dir, "workdir": opts.workdir, "python": opts.python,
         "keep_compile_cache": opts.keep_compile_cache, "holder": _holder(), "reply_timeout": int(reply_timeout),
-        "resume_run": 0, "log_prefix": json.dumps(f"{opts.log_dir.rstrip('/')}/train_tl")[:-1],
+        "log_prefix": json.dumps(f"{opts.log_dir.rstrip('/')}/train_tl")[:-1],
         "record_fields": json.dumps(record_fields)[1:-1],
     }
 

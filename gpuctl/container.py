@@ -21,7 +21,7 @@ STAGE_DIR = "/root/gpuctl"
 PCT_MISSING = re.compile(r"Configuration file '\S+/lxc/(\d+)\.conf' does not exist")
 PCT_NOT_RUNNING = re.compile(r"container '(\d+)' not running")
 # Exit codes of gpuctl's own scripts (templates/*.sh.j2).
-SCRIPT_LOCKED, SCRIPT_ACTIVE, SCRIPT_NO_PYTHON, SCRIPT_NO_RUN, SCRIPT_LOG_GONE = 75, 76, 77, 78, 79
+SCRIPT_LOCKED, SCRIPT_ACTIVE, SCRIPT_NO_PYTHON, SCRIPT_NO_RUN = 75, 76, 77, 78
 
 
 class ContainerNotRunning(GpuctlError):
