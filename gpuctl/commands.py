@@ -21,17 +21,9 @@ from typing import Any, Protocol, TypeVar
 from tenacity import RetryError, retry, retry_if_result, stop_after_delay, wait_exponential
 
 from gpuctl import __version__, scripts, ssh
-from gpuctl.container import (
-    RECORDS_DIR,
-    SCRIPT_ACTIVE,
-    SCRIPT_LOCKED,
-    SCRIPT_NO_PYTHON,
-    STAGE_DIR,
-    Container,
-    ContainerNotRunning,
-    parse_sections,
-)
+from gpuctl.container import RECORDS_DIR, STAGE_DIR, Container, ContainerNotRunning
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
+from gpuctl.protocol import ScriptExit, parse_sections
 from gpuctl.runs import LINUX_SIGNALS, Inspection, Run, State, parse_inspection, parse_metrics_lines
 from gpuctl.ssh import ConnectionLost
 from gpuctl.staging import (
@@ -252,10 +244,10 @@ def launch(ct: Container, target: Target, opts: LaunchOptions, notify: Notify,
     if not waiting:  # the script ended before it could stage
         result = ct.finish(remote)
         sections = dict(parse_sections(head + result.stdout))
-        if result.rc == SCRIPT_LOCKED:
+        if result.rc == ScriptExit.LOCKED:
             holder = sections.get("holder", b"").decode(errors="replace").strip() or "unknown"
             raise GpuctlError(f"another launch holds CT {ct.ctid}'s launch lock: {holder}", ExitCode.CONFLICT)
-        if result.rc == SCRIPT_NO_PYTHON:
+        if result.rc == ScriptExit.NO_PYTHON:
             raise usage_error(f"{opts.python!r} not found in CT {ct.ctid}: pass --python PATH")
         raise ct.failure(result, "launch")
     sections = parse_sections(head)
@@ -287,7 +279,7 @@ def launch(ct: Container, target: Target, opts: LaunchOptions, notify: Notify,
     remote.close_stdin()
     result = ct.finish(remote)
     sections = dict(parse_sections(result.stdout))
-    if result.rc == SCRIPT_ACTIVE:
+    if result.rc == ScriptExit.ACTIVE:
         raise _active_conflict(ct, list(parse_sections(result.stdout)))
     if result.rc != 0 or "record" not in sections:
         raise ct.failure(result, "launch")

@@ -13,6 +13,7 @@ from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_expo
 
 from gpuctl import scripts, ssh
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
+from gpuctl.protocol import ScriptExit
 from gpuctl.ssh import Completed, ConnectionLost, RemoteCommand, Session, Unreachable
 from gpuctl.target import Target
 
@@ -20,27 +21,11 @@ RECORDS_DIR = "/workspace/.gpuctl"
 STAGE_DIR = "/root/gpuctl"
 PCT_MISSING = re.compile(r"Configuration file '\S+/lxc/(\d+)\.conf' does not exist")
 PCT_NOT_RUNNING = re.compile(r"container '(\d+)' not running")
-# Exit codes of gpuctl's own scripts (templates/*.sh.j2).
-SCRIPT_LOCKED, SCRIPT_ACTIVE, SCRIPT_NO_PYTHON, SCRIPT_NO_RUN = 75, 76, 77, 78
 
 
 class ContainerNotRunning(GpuctlError):
     def __init__(self, message: str):
         super().__init__(message, ExitCode.CONTAINER)
-
-
-def parse_sections(data: bytes) -> list[tuple[str, bytes]]:
-    """Read back what the scripts' `emit NAME VALUE` wrote: `@@NAME LENGTH\\nVALUE\\n`, in order."""
-    sections, pos = [], 0
-    while True:
-        start = data.find(b"@@", pos)
-        if start < 0:
-            return sections
-        header_end = data.index(b"\n", start)
-        name, length = data[start + 2:header_end].decode().split(" ")
-        value_start = header_end + 1
-        sections.append((name, data[value_start:value_start + int(length)]))
-        pos = value_start + int(length) + 1
 
 
 @dataclass
@@ -106,7 +91,7 @@ class Container:
                                       f"{self.ctid})")
         if result.rc == 127 and "pct" in err:
             raise GpuctlError(f"{self.host} has no `pct` command: is it a Proxmox VE host?", ExitCode.HOST)
-        if result.rc == SCRIPT_NO_RUN:
+        if result.rc == ScriptExit.NO_RUN:
             raise usage_error(f"{err.strip()} (CT {self.ctid})")
         return result
 

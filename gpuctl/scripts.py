@@ -2,6 +2,7 @@
 
 The `shquote` filter (shlex.quote) is the one place that quotes for the shell: every value that reaches a
 script goes through it. StrictUndefined turns a missing variable into an error instead of an empty string.
+Every template sees `exits`, the scripts' exit codes (gpuctl.protocol.ScriptExit): `exit {{ exits.LOCKED }}`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 import jinja2
 
 from gpuctl import paths
+from gpuctl.protocol import ScriptExit
 
 
 def shquote(value: Any) -> str:
@@ -35,6 +37,7 @@ def environment() -> jinja2.Environment:
         comment_end_string="##}",
     )
     env.filters["shquote"] = shquote
+    env.globals["exits"] = {code.name: int(code) for code in ScriptExit}  # plain ints: they render as numbers
     return env
 
 

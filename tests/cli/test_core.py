@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import jinja2
 import pytest
 
-from gpuctl import scripts, ssh, target
-from gpuctl.container import parse_sections
+from gpuctl import commands, paths, scripts, ssh, target
 from gpuctl.errors import ExitCode, GpuctlError
+from gpuctl.protocol import ScriptExit, parse_sections
 from gpuctl.runs import Run, State, parse_progress, parse_run_ref, parse_signal
 
 
@@ -75,6 +77,22 @@ def test_scripts_quote_every_value_and_refuse_missing_ones():
         scripts.render("run.sh", stage_dir="/root/gpuctl")
     with pytest.raises(TypeError):
         scripts.shquote(None)
+
+
+def test_scripts_exit_with_the_one_definition_of_their_codes():
+    """ScriptExit is where the scripts' exit codes are written: the templates name them, the rendering gives the
+    numbers gpuctl compares against."""
+    sources = {p.name: p.read_text() for p in paths.templates_dir().glob("*.sh.j2")}
+    for name, text in sources.items():
+        if name != "run.sh.j2":  # the trainer's command: its exit code is the run's, not a script's answer
+            assert not re.findall(r"\bexit [1-9]", text), name
+    assert {code for text in sources.values() for code in re.findall(r"exits\.(\w+)", text)} == \
+        {code.name for code in ScriptExit}
+    rendered = (scripts.render("logs.sh", records_dir="/r", run_number=0, follow=False, lines=None, offset=0,
+                               heartbeat_s=5)
+                + commands.plan_launch(target.Target(host="h", ct=200), commands.LaunchOptions()))
+    for code in ScriptExit:
+        assert f"exit {int(code)}" in rendered, code
 
 
 def test_parse_sections_round_trips_any_bytes():
