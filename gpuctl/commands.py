@@ -8,7 +8,6 @@ from __future__ import annotations
 import getpass
 import json
 import os
-import re
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -23,8 +22,19 @@ from tenacity import RetryError, retry, retry_if_result, stop_after_delay, wait_
 from gpuctl import __version__, scripts, ssh
 from gpuctl.container import RECORDS_DIR, STAGE_DIR, Container, ContainerNotRunning
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
-from gpuctl.protocol import ScriptExit, parse_sections
-from gpuctl.runs import LINUX_SIGNALS, Inspection, Run, State, parse_inspection, parse_metrics_lines
+from gpuctl.protocol import (
+    LAUNCH_ABORT,
+    LAUNCH_WAITING,
+    FollowStart,
+    Inspection,
+    KillReply,
+    LaunchReply,
+    MetricsChain,
+    ScriptExit,
+    launch_go,
+    parse_follow_start,
+)
+from gpuctl.runs import LINUX_SIGNALS, Run, State, parse_metrics_lines
 from gpuctl.ssh import ConnectionLost
 from gpuctl.staging import (
     Package,
@@ -32,7 +42,6 @@ from gpuctl.staging import (
     StagePlan,
     build_package,
     file_from_bytes,
-    parse_manifest,
     plan_stage,
 )
 from gpuctl.target import Target
@@ -95,7 +104,7 @@ def inspect(ct: Container, run_number: int = 0, *, all_runs: bool = False, gpus:
                     rest_from=rest_from, history=history)
     if result.rc != 0:
         raise ct.failure(result, "reading the run records")
-    return parse_inspection(parse_sections(result.stdout))
+    return Inspection.parse(result.stdout)
 
 
 # launch ---------------------------------------------------------------------------------------------------
@@ -219,10 +228,9 @@ def plan_launch(target: Target, opts: LaunchOptions) -> str:
             f"{files['run.sh'].data.decode()}")
 
 
-def _active_conflict(ct: Container, sections: list[tuple[str, bytes]]) -> GpuctlError:
-    number = next(v.decode() for k, v in sections if k == "active")
-    record = json.loads(next((v for k, v in sections if k == "active_record"), b"{}") or b"{}")
-    by = f" (launched by {record['launched_by']})" if record.get("launched_by") else ""
+def _active_conflict(ct: Container, active: Run) -> GpuctlError:
+    number, launched_by = active.number, active.record.get("launched_by")
+    by = f" (launched by {launched_by})" if launched_by else ""
     return GpuctlError(f"run tl{number} is active in CT {ct.ctid}{by}: stop it (gpuctl kill --run {number}) "
                        "or launch with --replace", ExitCode.CONFLICT)
 
@@ -240,36 +248,32 @@ def launch(ct: Container, target: Target, opts: LaunchOptions, notify: Notify,
     opts, config_file = _check_launch_options(opts)
     package = _package(config_file, opts)
     remote = ct.start("launch", **_script_values(target, opts))
-    head, waiting = remote.read_until(b"@@waiting 0\n\n")
+    head, waiting = remote.read_until(LAUNCH_WAITING)
     if not waiting:  # the script ended before it could stage
         result = ct.finish(remote)
-        sections = dict(parse_sections(head + result.stdout))
         if result.rc == ScriptExit.LOCKED:
-            holder = sections.get("holder", b"").decode(errors="replace").strip() or "unknown"
+            holder = (LaunchReply.parse(head + result.stdout).holder or "").strip() or "unknown"
             raise GpuctlError(f"another launch holds CT {ct.ctid}'s launch lock: {holder}", ExitCode.CONFLICT)
         if result.rc == ScriptExit.NO_PYTHON:
             raise usage_error(f"{opts.python!r} not found in CT {ct.ctid}: pass --python PATH")
         raise ct.failure(result, "launch")
-    sections = parse_sections(head)
-    found = dict(sections)
-    if "recovered" in found:
-        notify(f"took over CT {ct.ctid}'s launch lock from a launch that overran its deadline: "
-               f"{found['recovered'].decode(errors='replace')}")
+    report = LaunchReply.parse(head)  # under the lock, before our answer
+    if report.recovered is not None:
+        notify(f"took over CT {ct.ctid}'s launch lock from a launch that overran its deadline: {report.recovered}")
     replaced = []
-    if "active" in found:
+    if report.active:
         if not opts.replace:
-            remote.send(b"abort\n")
+            remote.send(LAUNCH_ABORT)
             remote.close_stdin()
             ct.finish(remote)
-            raise _active_conflict(ct, sections)
-        for number in [int(v) for k, v in sections if k == "active"]:
-            notify(f"--replace: killing tl{number} first")
-            replaced.append(kill(ct, number, "TERM", grace=30.0, notify=notify))
-    current = parse_manifest(found.get("manifest", b""))
-    package = _kept_config(package, opts, current)
-    plan = plan_stage(package, current)
+            raise _active_conflict(ct, report.active[0])
+        for active in report.active:
+            notify(f"--replace: killing tl{active.number} first")
+            replaced.append(kill(ct, active.number, "TERM", grace=30.0, notify=notify))
+    package = _kept_config(package, opts, report.manifest)
+    plan = plan_stage(package, report.manifest)
     sent_before = ssh.STATS.sent["files"]
-    remote.send(f"go {plan.changed_bytes}\n".encode() + package.manifest() + b"\n")
+    remote.send(launch_go(plan.changed_bytes, package.manifest()))
     tracker = progress(plan.changed_bytes) if progress and plan.archive else None
     try:
         remote.send(plan.archive, kind="files", progress=tracker)
@@ -278,13 +282,12 @@ def launch(ct: Container, target: Target, opts: LaunchOptions, notify: Notify,
             tracker.close()
     remote.close_stdin()
     result = ct.finish(remote)
-    sections = dict(parse_sections(result.stdout))
+    reply = LaunchReply.parse(result.stdout)
     if result.rc == ScriptExit.ACTIVE:
-        raise _active_conflict(ct, list(parse_sections(result.stdout)))
-    if result.rc != 0 or "record" not in sections:
+        raise _active_conflict(ct, reply.active[0])
+    if result.rc != 0 or reply.record is None:
         raise ct.failure(result, "launch")
-    number = json.loads(sections["record"])["number"]
-    run, tail = wait_until_started(ct, number)
+    run, tail = wait_until_started(ct, reply.record["number"])
     return LaunchResult(run=run, package=package, plan=plan, sent_file_bytes=ssh.STATS.sent["files"] - sent_before,
                         tail=tail, replaced=replaced, resumed_from=resumed.number if resumed else None)
 
@@ -386,16 +389,7 @@ def metrics_history(ct: Container, run_number: int = 0) -> MetricsHistory:
     result = ct.run("metrics", run_number=run_number)
     if result.rc != 0:
         raise ct.failure(result, "reading the metrics")
-    chain: list[tuple[Run, list[dict]]] = []
-    number = None
-    for name, value in parse_sections(result.stdout):
-        if name == "run":
-            number = int(value)
-        elif name == "record":
-            record = json.loads(value)
-        elif name == "metrics":
-            chain.append((Run(number=number, record=record, alive=False), parse_metrics_lines(value)))
-    chain.reverse()  # the script walks from the run back to the one it resumed
+    chain = MetricsChain.parse(result.stdout).links
     records: list[dict] = []
     resumed_at = []
     for i, (_, lines) in enumerate(chain):
@@ -418,49 +412,45 @@ class KillResult:
     seconds: float = 0.0
 
 
-def _kill_step(ct: Container, run_number: int, action: str, signal_name: str) -> tuple[Run | None, list[int]]:
+def _kill_step(ct: Container, run_number: int, action: str, signal_name: str) -> KillReply:
     result = ct.run("kill", run_number=run_number, action=action, signal_name=signal_name,
                     signal_number=LINUX_SIGNALS[signal_name])
     if result.rc != 0:
         raise ct.failure(result, "kill")
-    sections = dict(parse_sections(result.stdout))
-    if "run" not in sections:
-        return None, []
-    pids = [int(p) for p in sections.get("pids", b"").split()]
-    run = Run(number=int(sections["run"]), record=json.loads(sections["record"]), alive=bool(pids))
-    return run, pids
+    return KillReply.parse(result.stdout)
 
 
 def kill(ct: Container, run_number: int, signal_name: str, grace: float, notify: Notify) -> KillResult:
     started = time.monotonic()
-    run, pids = _kill_step(ct, run_number, "signal", signal_name)
-    if run is None or not pids:
+    signalled = _kill_step(ct, run_number, "signal", signal_name)
+    run = signalled.run
+    if run is None or not signalled.pids:
         return KillResult(run=run, signalled=False)
-    notify(f"sent SIG{signal_name} to tl{run.number} ({len(pids)} processes); waiting up to {grace:g} s")
+    notify(f"sent SIG{signal_name} to tl{run.number} ({len(signalled.pids)} processes); waiting up to {grace:g} s")
 
-    def gone_within(seconds: float, sent: str) -> tuple[Run, list[int]]:
+    def gone_within(seconds: float, sent: str) -> KillReply:
         @retry(stop=stop_after_delay(seconds), wait=wait_exponential(multiplier=0.02, max=0.5),
-               retry=retry_if_result(lambda found: bool(found[1])))
-        def check() -> tuple[Run, list[int]]:
-            found_run, found_pids = _kill_step(ct, run.number, "check", sent)
-            return found_run or run, found_pids
+               retry=retry_if_result(lambda found: bool(found.pids)))
+        def check() -> KillReply:
+            found = _kill_step(ct, run.number, "check", sent)
+            return found if found.run else KillReply(run=run, pids=found.pids)
 
         try:
             return check()
         except RetryError as e:
             return e.last_attempt.result()
 
-    run, pids = gone_within(grace, signal_name)
+    left = gone_within(grace, signal_name)
     escalated = False
-    if pids:
-        notify(f"tl{run.number} still has {len(pids)} processes after {grace:g} s: sending SIGKILL")
+    if left.pids:
+        notify(f"tl{run.number} still has {len(left.pids)} processes after {grace:g} s: sending SIGKILL")
         escalated = True
         _kill_step(ct, run.number, "signal", "KILL")
-        run, pids = gone_within(KILL_VERIFY_S, "KILL")
-        if pids:
-            raise GpuctlError(f"processes {' '.join(map(str, pids))} of tl{run.number} survived SIGKILL",
+        left = gone_within(KILL_VERIFY_S, "KILL")
+        if left.pids:
+            raise GpuctlError(f"processes {' '.join(map(str, left.pids))} of tl{run.number} survived SIGKILL",
                               ExitCode.RUN_FAILED)
-    return KillResult(run=run, signalled=True, escalated=escalated, seconds=time.monotonic() - started)
+    return KillResult(run=left.run, signalled=True, escalated=escalated, seconds=time.monotonic() - started)
 
 
 # logs -----------------------------------------------------------------------------------------------------
@@ -472,9 +462,6 @@ def print_log(ct: Container, run_number: int, lines: int | None, write: Write) -
         raise ct.failure(result, "reading the log")
 
 
-FOLLOW_HEADER = re.compile(rb"@@follow (\d+) (\d+)\n")
-
-
 def follow_log(ct: Container, run_number: int, lines: int | None, write: Write, offset: int | None = None,
                notify: Notify = lambda _: None, reconnect_s: float = RECONNECT_S) -> Run:
     """Stream the run's log until the run ends; every byte exactly once, across dropped connections (which are
@@ -484,7 +471,7 @@ def follow_log(ct: Container, run_number: int, lines: int | None, write: Write, 
     def follow_once() -> Run:
         nonlocal position, number
         received, stderr = 0, bytearray()
-        header: list[int] = []
+        start: FollowStart | None = None
 
         def on_stdout(data: bytes) -> None:
             nonlocal received
@@ -492,18 +479,18 @@ def follow_log(ct: Container, run_number: int, lines: int | None, write: Write, 
             received += len(data)
 
         def on_stderr(data: bytes) -> None:
+            nonlocal start
             stderr.extend(data)
-            if not header and (m := FOLLOW_HEADER.search(stderr)):
-                header.extend((int(m[1]), int(m[2])))
+            start = start or parse_follow_start(stderr)
 
         try:
             result = ct.stream("logs", on_stdout=on_stdout, on_stderr=on_stderr, idle_timeout=4 * HEARTBEAT_S,
                                run_number=number, follow=True, lines=lines if position is None else None,
                                offset=position or 0, heartbeat_s=HEARTBEAT_S)
         finally:  # what was written counts, even when the connection dropped half-way
-            if header:
-                number, position = header[0], header[1] + received
-        if result.rc != 0 or not header:
+            if start:
+                number, position = start.run, start.offset + received
+        if result.rc != 0 or not start:
             raise ct.failure(result, "following the log")
         # tail may not have read the last bytes before the run's end stopped it: fetch them from the offset.
         inspection = inspect(ct, number, rest_from=position)

@@ -13,7 +13,7 @@ from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_expo
 
 from gpuctl import scripts, ssh
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
-from gpuctl.protocol import ScriptExit
+from gpuctl.protocol import ScriptExit, stderr_messages
 from gpuctl.ssh import Completed, ConnectionLost, RemoteCommand, Session, Unreachable
 from gpuctl.target import Target
 
@@ -97,7 +97,6 @@ class Container:
 
     def failure(self, result: Completed, what: str) -> GpuctlError:
         """The error for a script that failed in a way its caller does not handle itself."""
-        lines = [line for line in result.stderr.decode(errors="replace").strip().splitlines()
-                 if not line.startswith("@@")]  # the scripts' own markers (heartbeats, headers)
+        lines = stderr_messages(result.stderr)
         detail = lines[-1] if lines else f"exit code {result.rc}"
         return GpuctlError(f"{what} in CT {self.ctid} failed: {detail}", ExitCode.RUN_FAILED)

@@ -1,13 +1,22 @@
 """What gpuctl's container-side scripts (templates/*.sh.j2) say back, decoded in one place.
 
 A script reports through `emit NAME VALUE` (templates/lib.sh.j2): one length-prefixed section on stdout,
-`@@NAME LENGTH\\nVALUE\\n`, so a value may hold any bytes. Its exit code is 0, or one of ScriptExit, which the
-templates receive as `exits` (scripts.render): the numbers are written here and nowhere else.
+`@@NAME LENGTH\\nVALUE\\n`, so a value may hold any bytes; each script's sections are read into one typed
+reply here (LaunchReply, Inspection, KillReply, MetricsChain). Its exit code is 0, or one of ScriptExit, which
+the templates receive as `exits` (scripts.render): the numbers are written here and nowhere else. Lines on
+stderr that start with `@@` are markers (logs.sh's follow header and heartbeat), never messages.
 """
 
 from __future__ import annotations
 
+import json
+import re
+from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any, NamedTuple
+
+from gpuctl.runs import Run, parse_metrics_lines, parse_progress
+from gpuctl.staging import parse_manifest
 
 
 class ScriptExit(IntEnum):
@@ -32,3 +41,149 @@ def parse_sections(data: bytes) -> list[tuple[str, bytes]]:
         value_start = header_end + 1
         sections.append((name, data[value_start:value_start + int(length)]))
         pos = value_start + int(length) + 1
+
+
+def section(name: str, value: bytes) -> bytes:
+    """What `emit NAME VALUE` writes."""
+    return b"@@%s %d\n%s\n" % (name.encode(), len(value), value)
+
+
+def stderr_messages(stderr: bytes) -> list[str]:
+    """A script's own lines on stderr, without its markers there (the heartbeat, the follow header)."""
+    return [line for line in stderr.decode(errors="replace").strip().splitlines() if not line.startswith("@@")]
+
+
+# launch.sh: a conversation. Under the launch lock it reports (LaunchReply) up to LAUNCH_WAITING, then reads
+# gpuctl's answer: LAUNCH_ABORT, or launch_go() followed by the archive of the files the container lacks.
+LAUNCH_WAITING = section("waiting", b"")
+LAUNCH_ABORT = b"abort\n"
+
+
+def launch_go(archive_bytes: int, manifest: bytes) -> bytes:
+    """`go BYTES`, the new package's manifest, an empty line: the archive's BYTES follow."""
+    return f"go {archive_bytes}\n".encode() + manifest + b"\n"
+
+
+@dataclass(frozen=True)
+class LaunchReply:
+    """What launch.sh said, before gpuctl's answer or at its end (its exit code says which case it is)."""
+
+    holder: str | None = None  # who holds the launch lock (exit LOCKED)
+    recovered: str | None = None  # the holder this launch took the lock over from (it overran its deadline)
+    active: list[Run] = field(default_factory=list)  # the runs alive in the container (exit ACTIVE after go)
+    manifest: dict[str, str] = field(default_factory=dict)  # the staged package's files: {name: sha256}
+    record: dict[str, Any] | None = None  # the record of the run it started
+
+    @classmethod
+    def parse(cls, data: bytes) -> LaunchReply:
+        found: dict[str, Any] = {}
+        numbers, records = [], []  # report_active emits each active run as `active N` and `active_record`
+        for name, value in parse_sections(data):
+            if name == "active":
+                numbers.append(int(value))
+            elif name == "active_record":
+                records.append(json.loads(value or b"{}"))
+            elif name in ("holder", "recovered"):
+                found[name] = value.decode(errors="replace")
+            elif name == "manifest":
+                found[name] = parse_manifest(value)
+            elif name == "record":
+                found[name] = json.loads(value)
+        active = [Run(number=n, record=record, alive=True) for n, record in zip(numbers, records)]
+        return cls(active=active, **found)
+
+
+@dataclass
+class Inspection:
+    """What inspect.sh reported: the runs, and what was asked beside them."""
+
+    runs: list[Run]
+    tails: dict[int, bytes]  # run number -> the log's last lines
+    rests: dict[int, bytes]  # run number -> the log from the asked byte offset on
+    histories: dict[int, bytes]  # run number -> a sample of its metrics lines that have a loss
+    gpus_csv: bytes | None
+
+    @classmethod
+    def parse(cls, data: bytes) -> Inspection:
+        facts_by_run: list[dict[str, Any]] = []
+        top: dict[str, bytes] = {}
+        for name, value in parse_sections(data):
+            if name == "run":
+                facts_by_run.append({"number": int(value)})
+            elif facts_by_run and name != "gpus":
+                facts_by_run[-1][name] = value
+            else:
+                top[name] = value
+        now = float(top["now"]) if top.get("now") else None
+        runs, tails, rests, histories = [], {}, {}, {}
+        for facts in facts_by_run:
+            alive = facts.get("alive") == b"1"
+            runs.append(Run(
+                number=facts["number"],
+                record=json.loads(facts["record"]),
+                alive=alive,
+                log_size=int(facts["log_size"]) if "log_size" in facts else None,
+                progress=parse_progress(facts.get("metrics_first"), facts.get("metrics_last"), alive),
+                now=now,
+            ))
+            if "tail" in facts:
+                tails[facts["number"]] = facts["tail"]
+            if "rest" in facts:
+                rests[facts["number"]] = facts["rest"].removesuffix(b"x")  # the script's guard for trailing newlines
+            if "metrics_history" in facts:
+                histories[facts["number"]] = facts["metrics_history"]
+        return cls(runs=runs, tails=tails, rests=rests, histories=histories, gpus_csv=top.get("gpus"))
+
+
+@dataclass(frozen=True)
+class KillReply:
+    """What kill.sh said: the run it acted on (None: there is no run at all) and its processes still alive."""
+
+    run: Run | None
+    pids: list[int]
+
+    @classmethod
+    def parse(cls, data: bytes) -> KillReply:
+        sections = dict(parse_sections(data))
+        if "run" not in sections:
+            return cls(run=None, pids=[])
+        pids = [int(p) for p in sections.get("pids", b"").split()]
+        return cls(run=Run(number=int(sections["run"]), record=json.loads(sections["record"]), alive=bool(pids)),
+                   pids=pids)
+
+
+@dataclass(frozen=True)
+class MetricsChain:
+    """What metrics.sh said: the run and the runs it resumed, each with its metrics records, the oldest run first."""
+
+    links: list[tuple[Run, list[dict[str, Any]]]]
+
+    @classmethod
+    def parse(cls, data: bytes) -> MetricsChain:
+        links = []
+        number, record = 0, {}
+        for name, value in parse_sections(data):
+            if name == "run":
+                number = int(value)
+            elif name == "record":
+                record = json.loads(value)
+            elif name == "metrics":
+                links.append((Run(number=number, record=record, alive=False), parse_metrics_lines(value)))
+        links.reverse()  # the script walks from the run back to the one it resumed
+        return cls(links)
+
+
+class FollowStart(NamedTuple):
+    """The header `logs.sh` (following) writes on stderr before the log: the run, and the byte offset it starts at."""
+
+    run: int
+    offset: int
+
+
+FOLLOW_HEADER = re.compile(rb"@@follow (\d+) (\d+)\n")
+
+
+def parse_follow_start(stderr: bytes) -> FollowStart | None:
+    """The header, once stderr holds it."""
+    m = FOLLOW_HEADER.search(stderr)
+    return FollowStart(int(m[1]), int(m[2])) if m else None

@@ -9,7 +9,17 @@ import pytest
 
 from gpuctl import commands, paths, scripts, ssh, target
 from gpuctl.errors import ExitCode, GpuctlError
-from gpuctl.protocol import ScriptExit, parse_sections
+from gpuctl.protocol import (
+    LAUNCH_WAITING,
+    FollowStart,
+    KillReply,
+    LaunchReply,
+    MetricsChain,
+    ScriptExit,
+    parse_follow_start,
+    parse_sections,
+    section,
+)
 from gpuctl.runs import Run, State, parse_progress, parse_run_ref, parse_signal
 
 
@@ -98,6 +108,30 @@ def test_scripts_exit_with_the_one_definition_of_their_codes():
 def test_parse_sections_round_trips_any_bytes():
     data = b"noise\n@@now 4\n12.5\n@@rest 9\n@@x 3\nab\n\n@@empty 0\n\n"
     assert parse_sections(data) == [("now", b"12.5"), ("rest", b"@@x 3\nab\n"), ("empty", b"")]
+    assert parse_sections(b"".join(section(name, value) for name, value in parse_sections(data))) == \
+        parse_sections(data)
+
+
+def test_script_replies_decode_into_typed_results():
+    digest = "a" * 64
+    offer = LaunchReply.parse(section("recovered", b"ada@ws") + section("active", b"3")
+                              + section("active_record", b'{"launched_by": "ada@ws"}')
+                              + section("manifest", f"{digest}  ./run.sh\n".encode()) + LAUNCH_WAITING)
+    assert (offer.recovered, offer.holder, offer.manifest, offer.record) == ("ada@ws", None, {"run.sh": digest}, None)
+    assert [(run.number, run.record, run.alive) for run in offer.active] == [(3, {"launched_by": "ada@ws"}, True)]
+    assert LaunchReply.parse(section("record", b'{"number": 4}')).record == {"number": 4}
+
+    assert KillReply.parse(b"") == KillReply(run=None, pids=[])
+    left = KillReply.parse(section("run", b"4") + section("pids", b"10\n11") + section("record", b'{"pgid": 10}'))
+    assert (left.run.number, left.run.record, left.run.alive, left.pids) == (4, {"pgid": 10}, True, [10, 11])
+
+    chain = MetricsChain.parse(section("run", b"5") + section("record", b'{"resumed_from": 4}')
+                               + section("metrics", b'{"step": 3}') + section("run", b"4") + section("record", b"{}")
+                               + section("metrics", b'{"step": 1}\n{"step": 2}'))
+    assert [(run.number, [r["step"] for r in records]) for run, records in chain.links] == [(4, [1, 2]), (5, [3])]
+
+    assert parse_follow_start(b"@@alive\n@@follow 7 120\n") == FollowStart(run=7, offset=120)
+    assert parse_follow_start(b"@@follow 7") is None
 
 
 def run_with(record: dict, alive: bool) -> Run:
