@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from gpuctl import commands, ssh, target
+from gpuctl import commands, target
 from tests.sandbox import ALIAS, StandInHost
 
 CTID = 200
@@ -41,9 +41,10 @@ def timed_in_process(operation, flags, runs: int, after=None) -> tuple[float, in
         with commands.connected(t) as ct:
             operation(ct, t)
         seconds.append(time.perf_counter() - start)
-        connects.append(ssh.STATS.connect_s)
-        trips.add(ssh.STATS.remote_commands)
-        sent.append(ssh.STATS.sent["files"])
+        stats = ct.session.stats
+        connects.append(stats.connect_s)
+        trips.add(stats.remote_commands)
+        sent.append(stats.sent["files"])
         if after:
             after(t)
     assert len(trips) == 1, f"the number of remote commands varied: {trips}"

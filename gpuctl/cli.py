@@ -75,20 +75,24 @@ def _main(version: Annotated[bool, typer.Option("--version", callback=_version, 
 
 
 def with_target(func: Callable) -> Callable:
-    """Add TARGET and the target options to a command; it receives them as one `flags: TargetFlags`."""
+    """Add TARGET and the target options to a command; it receives them as one `flags: TargetFlags`, and as
+    `stats` the Stats its connection counts into (run() gives them, for GPUCTL_TRACE)."""
     kw = inspect.Parameter.KEYWORD_ONLY
-    own = [p.replace(kind=kw) for p in inspect.signature(func).parameters.values() if p.name != "flags"]
+    own = [p.replace(kind=kw) for p in inspect.signature(func).parameters.values()
+           if p.name not in ("flags", "stats")]
     added = [inspect.Parameter("target", kw, default=None, annotation=TargetArg)]
     added += [inspect.Parameter(name, kw, default=False if name == "accept_new_host_key" else None,
                                 annotation=annotation) for name, annotation in TARGET_PARAMS]
+    context = inspect.Parameter("ctx", kw, annotation=typer.Context)  # Typer passes it; no option
 
     @functools.wraps(func)
-    def command(**kwargs):
+    def command(ctx: typer.Context, **kwargs):
         flags = TargetFlags(**{p.name: kwargs.pop(p.name) for p in added})
-        return func(flags=flags, **kwargs)
+        return func(flags=flags, stats=ctx.obj, **kwargs)
 
-    command.__signature__ = inspect.Signature(added[:1] + own + added[1:])
-    command.__annotations__ = {p.name: p.annotation for p in added[:1] + own + added[1:]}
+    params = [context, *added[:1], *own, *added[1:]]
+    command.__signature__ = inspect.Signature(params)
+    command.__annotations__ = {p.name: p.annotation for p in params}
     return command
 
 
@@ -96,6 +100,7 @@ def with_target(func: Callable) -> Callable:
 @with_target
 def launch(
     flags: TargetFlags,
+    stats: ssh.Stats,
     config: Annotated[str | None, typer.Option(metavar="PRESET|PATH", help="trainer preset name, or a config file (a local "
                                                     "file is staged) [default: tiny, or the resumed run's]")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", metavar="KEY=VALUE", help="override a config value: KEY=VALUE "
@@ -129,7 +134,7 @@ def launch(
         sys.stdout.write(commands.plan_launch(target, opts))
         return ExitCode.OK
     progress = None if json_ else (lambda total: render.TransferProgress(total, "staging"))
-    with commands.connected(target) as ct:
+    with commands.connected(target, stats) as ct:
         result = commands.launch(ct, target, opts, notify=render.message, progress=progress)
         remember(target)
         render.launch_result(result, as_json=json_, to_stderr=follow, show_tail=not follow)
@@ -154,6 +159,7 @@ def _follow(ct: commands.Container, run_number: int, lines: int | None, offset: 
 @with_target
 def logs(
     flags: TargetFlags,
+    stats: ssh.Stats,
     run: RunOpt = None,
     tail: Annotated[int | None, typer.Option("--tail", "-n", help="only the last LINES lines",
                                                 metavar="LINES", min=0)] = None,
@@ -162,7 +168,7 @@ def logs(
 ) -> int:
     """Print a run's log (the latest run's by default); only the log's own lines go to stdout."""
     number = parse_run_ref(run)
-    with commands.connected(resolve(flags)) as ct:
+    with commands.connected(resolve(flags), stats) as ct:
         if follow:
             return _follow(ct, number, lines=tail, offset=None)
         commands.print_log(ct, number, tail, render.write_bytes)
@@ -173,6 +179,7 @@ def logs(
 @with_target
 def status(
     flags: TargetFlags,
+    stats: ssh.Stats,
     run: RunOpt = None,
     watch: Annotated[bool, typer.Option("--watch", "-w", help="refresh in place until Ctrl-C")] = False,
     interval: Annotated[float, typer.Option(metavar="SECONDS", help="seconds between refreshes with --watch",
@@ -184,7 +191,7 @@ def status(
     if watch and json_:
         raise usage_error("--watch is for a terminal; --json gives one document (run it again to refresh)")
     number = parse_run_ref(run)
-    with commands.connected(resolve(flags)) as ct:
+    with commands.connected(resolve(flags), stats) as ct:
         if watch:
             try:
                 render.watch_status(lambda: commands.reconnecting(ct, lambda: commands.status(ct, number),
@@ -203,6 +210,7 @@ def status(
 @with_target
 def plot(
     flags: TargetFlags,
+    stats: ssh.Stats,
     output: Annotated[Path, typer.Option("--output", "-o", metavar="FILE.png", help="the image to write (.png, "
                                          ".svg or .pdf)")],
     run: RunOpt = None,
@@ -211,7 +219,7 @@ def plot(
     from gpuctl import plot as plotting  # matplotlib only when asked for
 
     plotting.check_output(output)
-    with commands.connected(resolve(flags)) as ct:
+    with commands.connected(resolve(flags), stats) as ct:
         history = commands.metrics_history(ct, parse_run_ref(run))
     points = plotting.draw(history, output)
     render.message(f"wrote {output} ({points} points of {history.runs[-1].run_id})")
@@ -220,10 +228,10 @@ def plot(
 
 @app.command()
 @with_target
-def runs(flags: TargetFlags, json_: JsonOpt = False) -> int:
+def runs(flags: TargetFlags, stats: ssh.Stats, json_: JsonOpt = False) -> int:
     """Every run in the container: id, state, exit code, start, duration, log size."""
     target = resolve(flags)
-    with commands.connected(target) as ct:
+    with commands.connected(target, stats) as ct:
         render.runs_table(commands.list_runs(ct), target.ct, target.host, as_json=json_)
     return ExitCode.OK
 
@@ -232,13 +240,14 @@ def runs(flags: TargetFlags, json_: JsonOpt = False) -> int:
 @with_target
 def kill(
     flags: TargetFlags,
+    stats: ssh.Stats,
     run: RunOpt = None,
     signal: Annotated[str, typer.Option(metavar="NAME", help="first signal: TERM, INT, HUP, QUIT, USR1, USR2 or KILL")] = "TERM",
     grace: Annotated[float, typer.Option(metavar="SECONDS", help="seconds to wait before SIGKILL", min=0)] = 30.0,
 ) -> int:
     """Signal a run's whole process group, escalate to SIGKILL after --grace, check nothing is left."""
     number, signal_name = parse_run_ref(run), parse_signal(signal)
-    with commands.connected(resolve(flags)) as ct:
+    with commands.connected(resolve(flags), stats) as ct:
         render.kill_result(commands.kill(ct, number, signal_name, grace, notify=render.message))
     return ExitCode.OK
 
@@ -261,8 +270,9 @@ def run(argv: list[str] | None = None) -> int:
     """Run gpuctl with these arguments; return its exit code (tests call this in-process)."""
     command = typer.main.get_command(app)
     argv = _bare_resume(sys.argv[1:] if argv is None else list(argv))
+    stats = ssh.Stats()  # what this invocation's connection costs: its session counts into it
     try:
-        return int(command.main(args=argv, prog_name="gpuctl", standalone_mode=False) or 0)
+        return int(command.main(args=argv, prog_name="gpuctl", standalone_mode=False, obj=stats) or 0)
     except GpuctlError as e:
         render.error(str(e))
         return int(e.code)
@@ -287,7 +297,7 @@ def run(argv: list[str] | None = None) -> int:
         return int(ExitCode.RUN_FAILED)
     finally:
         if ssh.tracing():
-            print(ssh.trace_line(), file=sys.stderr)
+            print(ssh.trace_line(stats), file=sys.stderr)
 
 
 def main() -> None:

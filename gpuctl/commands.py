@@ -74,9 +74,10 @@ LOSS_HISTORY_POINTS = 60  # losses `status` fetches for its sparkline
 
 
 @contextmanager
-def connected(target: Target) -> Iterator[Container]:
-    """One SSH connection for the whole invocation (a follower may replace it after a drop)."""
-    ct = Container(session=ssh.connect(target), target=target)
+def connected(target: Target, stats: ssh.Stats | None = None) -> Iterator[Container]:
+    """One SSH connection for the whole invocation (a follower may replace it after a drop); what it costs is
+    counted in ct.session.stats (`stats`, when given)."""
+    ct = Container(session=ssh.connect(target, stats), target=target)
     try:
         yield ct
     finally:
@@ -129,7 +130,7 @@ class LaunchResult:
     run: Run
     package: Package
     plan: StagePlan
-    sent_file_bytes: int  # what the SSH layer counted for the changed files
+    sent_file_bytes: int  # what the SSH layer wrote of the changed files' archive
     tail: bytes = b""  # the log's last lines when the run ended during the start check
     replaced: list[KillResult] = field(default_factory=list)
     resumed_from: int | None = None
@@ -272,11 +273,10 @@ def launch(ct: Container, target: Target, opts: LaunchOptions, notify: Notify,
             replaced.append(kill(ct, active.number, "TERM", grace=30.0, notify=notify))
     package = _kept_config(package, opts, report.manifest)
     plan = plan_stage(package, report.manifest)
-    sent_before = ssh.STATS.sent["files"]
     remote.send(launch_go(plan.changed_bytes, package.manifest()))
     tracker = progress(plan.changed_bytes) if progress and plan.archive else None
     try:
-        remote.send(plan.archive, kind="files", progress=tracker)
+        sent_file_bytes = remote.send(plan.archive, kind="files", progress=tracker)
     finally:
         if tracker:
             tracker.close()
@@ -288,7 +288,7 @@ def launch(ct: Container, target: Target, opts: LaunchOptions, notify: Notify,
     if result.rc != 0 or reply.record is None:
         raise ct.failure(result, "launch")
     run, tail = wait_until_started(ct, reply.record["number"])
-    return LaunchResult(run=run, package=package, plan=plan, sent_file_bytes=ssh.STATS.sent["files"] - sent_before,
+    return LaunchResult(run=run, package=package, plan=plan, sent_file_bytes=sent_file_bytes,
                         tail=tail, replaced=replaced, resumed_from=resumed.number if resumed else None)
 
 

@@ -75,7 +75,7 @@ class Container:
         @retry(stop=stop_after_delay(within_s), wait=wait_exponential(multiplier=0.1, max=2.0),
                retry=retry_if_exception_type((Unreachable, ConnectionLost)), reraise=True)
         def attempt() -> Session:
-            return ssh.connect(self.target, reset_stats=False)
+            return ssh.connect(self.target, stats=self.session.stats)
 
         self.session = attempt()
 

@@ -37,18 +37,11 @@ MAX_JUMPS = 8
 
 @dataclass
 class Stats:
-    """What the last connection cost: the benchmark, the tests and GPUCTL_TRACE read it."""
+    """What a session cost (GPUCTL_TRACE and the benchmark read it from the session); a reconnect counts on."""
 
-    connect_s: float = 0.0
+    connect_s: float = 0.0  # the latest connection's
     remote_commands: int = 0
     sent: Counter = field(default_factory=Counter)  # bytes written to remote commands' stdin, by kind
-
-    def reset(self) -> None:
-        self.remote_commands = 0
-        self.sent.clear()
-
-
-STATS = Stats()
 
 
 @dataclass(frozen=True)
@@ -176,17 +169,19 @@ class RemoteCommand:
         self._pending = bytearray()  # stdout read past a marker, for the next reader
         self.stderr = bytearray()
 
-    def send(self, data: bytes, kind: str = "script", progress: Callable[[int], None] | None = None) -> None:
-        """Write to the command's stdin; the bytes are counted under `kind` (STATS.sent)."""
+    def send(self, data: bytes, kind: str = "script", progress: Callable[[int], None] | None = None) -> int:
+        """Write to the command's stdin; returns the bytes written (all of data: a failed write raises), which
+        the session's stats count under `kind`."""
         for start in range(0, len(data), SEND_CHUNK):
             chunk = data[start:start + SEND_CHUNK]
             try:
                 self._chan.sendall(chunk)
             except (OSError, EOFError, paramiko.SSHException) as e:
                 raise self._session.lost(f"writing to the remote command failed: {e or type(e).__name__}")
-            STATS.sent[kind] += len(chunk)
+            self._session.stats.sent[kind] += len(chunk)
             if progress:
                 progress(len(chunk))
+        return len(data)
 
     def close_stdin(self) -> None:
         try:
@@ -263,12 +258,13 @@ class RemoteCommand:
 class Session:
     """An open SSH connection (and the jump hosts' connections under it)."""
 
-    def __init__(self, client: paramiko.SSHClient, endpoint: Endpoint, timeout: float,
+    def __init__(self, client: paramiko.SSHClient, endpoint: Endpoint, timeout: float, stats: Stats,
                  jumps: list[paramiko.SSHClient] | None = None):
         self._client = client
         self._jumps = jumps or []
         self.endpoint = endpoint
         self._timeout = timeout
+        self.stats = stats
 
     def connected(self) -> bool:
         transport = self._client.get_transport()
@@ -291,7 +287,7 @@ class Session:
         if not self.connected():
             raise self.lost("the connection dropped")
         transport = self._client.get_transport()
-        STATS.remote_commands += 1
+        self.stats.remote_commands += 1
         try:
             chan = transport.open_session(timeout=self._timeout)
             chan.exec_command(command)
@@ -371,8 +367,9 @@ def _login(endpoint: Endpoint, timeout: float, opened: list[paramiko.SSHClient])
     return client
 
 
-def connect(target: Target, reset_stats: bool = True) -> Session:
-    """Connect to the target; reset_stats=False keeps counting across a reconnect."""
+def connect(target: Target, stats: Stats | None = None) -> Session:
+    """Connect to the target. The session counts what it costs into `stats` when given (a reconnect passes the
+    lost session's, so the counts go on), else into fresh Stats."""
     endpoint = resolve_endpoint(target)
     opened: list[paramiko.SSHClient] = []
     started = time.perf_counter()
@@ -382,15 +379,14 @@ def connect(target: Target, reset_stats: bool = True) -> Session:
         for client in reversed(opened):
             client.close()
         raise
-    STATS.connect_s = time.perf_counter() - started
-    if reset_stats:
-        STATS.reset()
-    return Session(client, endpoint, target.connect_timeout, jumps=opened[:-1])
+    stats = stats or Stats()
+    stats.connect_s = time.perf_counter() - started
+    return Session(client, endpoint, target.connect_timeout, stats, jumps=opened[:-1])
 
 
-def trace_line() -> str:
-    sent = ", ".join(f"{kind} {n} B" for kind, n in sorted(STATS.sent.items())) or "nothing"
-    return (f"gpuctl: trace: connect {STATS.connect_s * 1000:.0f} ms, {STATS.remote_commands} remote commands, "
+def trace_line(stats: Stats) -> str:
+    sent = ", ".join(f"{kind} {n} B" for kind, n in sorted(stats.sent.items())) or "nothing"
+    return (f"gpuctl: trace: connect {stats.connect_s * 1000:.0f} ms, {stats.remote_commands} remote commands, "
             f"sent: {sent}")
 
 
