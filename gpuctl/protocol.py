@@ -24,7 +24,7 @@ class ScriptExit(IntEnum):
 
     FAILED = 1  # the script could not do its job: its last line on stderr says why
     LOCKED = 75  # another launch holds the container's launch lock
-    ACTIVE = 76  # a run is active (after --replace killed one: one started since)
+    ACTIVE = 76  # at gpuctl's go, a run is active after all (one started since the report)
     NO_PYTHON = 77  # the launch's --python is not in the container
     NO_RUN = 78  # no such run (or no run at all) in the container: its stderr line says which
 
@@ -66,7 +66,7 @@ def launch_go(archive_bytes: int, manifest: bytes) -> bytes:
 
 @dataclass(frozen=True)
 class LaunchReply:
-    """What launch.sh said, before gpuctl's answer or at its end (its exit code says which case it is)."""
+    """What launch.sh said: its report under the lock (up to LAUNCH_WAITING), or what it said after the answer."""
 
     holder: str | None = None  # who holds the launch lock (exit LOCKED)
     recovered: str | None = None  # the holder this launch took the lock over from (it overran its deadline)
