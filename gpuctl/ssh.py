@@ -379,7 +379,8 @@ def connect(target: Target, stats: Stats | None = None) -> Session:
         for client in reversed(opened):
             client.close()
         raise
-    stats = stats or Stats()
+    if stats is None:
+        stats = Stats()
     stats.connect_s = time.perf_counter() - started
     return Session(client, endpoint, target.connect_timeout, stats, jumps=opened[:-1])
 
