@@ -34,7 +34,7 @@ app = typer.Typer(
 )
 
 TARGET_HELP = "Target options"
-# The target options every command accepts (DESIGN §2); with_target adds them to each command.
+# The target options every command accepts (ARCHITECTURE §2); with_target adds them to each command.
 TARGET_PARAMS = [
     ("host", Annotated[str | None, typer.Option(metavar="HOST", help="Proxmox host: address, name or ~/.ssh/config alias "
                                                         "[env GPUCTL_HOST]", rich_help_panel=TARGET_HELP)]),

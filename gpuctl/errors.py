@@ -1,4 +1,4 @@
-"""gpuctl's exit codes (one enum, DESIGN §2) and the one exception type that carries them."""
+"""gpuctl's exit codes (one enum, ARCHITECTURE §2) and the one exception type that carries them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Run records and what follows from them: run ids, states, progress (DESIGN §2-3).
+"""Run records and what follows from them: run ids, states, progress (ARCHITECTURE §2-3).
 
 A run record is the JSON file /workspace/.gpuctl/tlN.json written by the launch script and completed by the
 run's wrapper (pid, process group, start time, exit code) and by `gpuctl kill` (killed_signal). Whether the run

@@ -1,4 +1,4 @@
-"""Which host and container a command talks to (DESIGN §2).
+"""Which host and container a command talks to (ARCHITECTURE §2).
 
 Each field comes from the first source that has it: the command-line flag (or the positional TARGET), then the
 GPUCTL_* environment, then the target of the last successful launch (only while no other host was asked for),

@@ -1,4 +1,4 @@
-"""The stand-in host behaves like the Proxmox host the tests stand for (DESIGN §3-4), through real ssh."""
+"""The stand-in host behaves like the Proxmox host the tests stand for (ARCHITECTURE §3-4), through real ssh."""
 
 from __future__ import annotations
 
