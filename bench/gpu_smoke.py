@@ -111,7 +111,8 @@ def qwen3_8b_shapes(device: torch.device, steps: int, small: bool) -> None:
     target_gib = memory_gib(device)
 
     torch.manual_seed(0)
-    config = DrafterConfig.from_target(model.config, num_layers=5, block_size=BLOCK, target_layers=target.layers)
+    config = DrafterConfig.from_target(model.config, num_layers=5, block_size=BLOCK, target_layers=target.layers,
+                                       mask_token_id=model.config.vocab_size - 1)  # no tokenizer: the last row
     with torch.device(device):
         drafter = Drafter(config, model.get_input_embeddings().weight, model.get_output_embeddings().weight)
     params = [p for p in drafter.parameters() if p.requires_grad]

@@ -180,7 +180,8 @@ def main() -> None:
     t0 = time.perf_counter()
     targets = [random_target(device, args.layers, shapes, dtype) for device in devices]
     target = targets[0]
-    drafter_config = DrafterConfig.from_target(target.config, config.num_draft_layers, block, target.layers)
+    drafter_config = DrafterConfig.from_target(target.config, config.num_draft_layers, block, target.layers,
+                                               target.config.vocab_size - 1)  # no tokenizer: the last row
     torch.manual_seed(1)
     with torch.device(devices[0]):
         first = Drafter(drafter_config, target.model.get_input_embeddings().weight,

@@ -4,10 +4,15 @@ Each holds the drafter's trainable weights (drafter.safetensors, with config.jso
 everything a resumed run needs to continue exactly (state.pt: step, optimizer, scheduler, RNG states, data
 position). A checkpoint is written into a temporary directory, fsynced, then renamed into place, so a crash or a
 kill never leaves a half-written one where `latest_checkpoint` would find it.
+
+The drafter's config records everything the served format needs (mask_token_id, num_target_layers, the target's
+RoPE parameters), so `python -m training.export` needs nothing but the checkpoint. Checkpoints from before the
+served convention (a learned mask vector instead of the `<|MASK|>` token) are refused, for resuming and export.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -15,11 +20,15 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from training.model import Drafter
+from training.config import ConfigError
+from training.model import Drafter, DrafterConfig
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
+FILES = ("drafter.safetensors", "config.json", "state.pt")
+LEARNED_MASK = "mask_embedding"  # the pre-convention drafter's learned mask vector
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
@@ -88,8 +97,39 @@ def save_checkpoint(output_dir: str | Path, step: int, drafter: Drafter, optimiz
     return final
 
 
+def check_checkpoint(path: Path) -> DrafterConfig:
+    """A complete checkpoint in the served convention: its drafter config, or a one-line ConfigError (missing
+    file, unreadable config or weights, a learned mask vector, a config without the served format's fields)."""
+    for name in FILES:
+        if not (path / name).is_file():
+            raise ConfigError(f"{path} is not a complete checkpoint (no {name})")
+    try:
+        with safe_open(path / "drafter.safetensors", "pt") as weights:
+            names = set(weights.keys())
+    except (OSError, SafetensorError) as err:
+        raise ConfigError(f"{path / 'drafter.safetensors'} is unreadable: {err}") from None
+    if LEARNED_MASK in names:
+        raise ConfigError(f"{path} holds a learned mask vector ({LEARNED_MASK}), which no engine can serve: it "
+                          "predates the <|MASK|> token convention; train a fresh run")
+    try:
+        fields = json.loads((path / "config.json").read_text())["drafter"]
+        if not isinstance(fields, dict):
+            raise TypeError("'drafter' is not an object")
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"{path / 'config.json'} holds no drafter config ({type(err).__name__}: {err})") from None
+    missing = [f.name for f in dataclasses.fields(DrafterConfig) if f.name not in fields]
+    if missing:
+        raise ConfigError(f"{path} predates the served format (its drafter config has no {', '.join(missing)}); "
+                          "train a fresh run")
+    try:
+        return DrafterConfig(**fields)
+    except TypeError as err:
+        raise ConfigError(f"{path / 'config.json'}: not this trainer's drafter config ({err})") from None
+
+
 def load_checkpoint(path: Path, drafter: Drafter, optimizer: torch.optim.Optimizer, scheduler) -> dict:
     """Restore weights, optimizer, scheduler and RNG; returns {"step", "data"}."""
+    check_checkpoint(path)
     device = next(drafter.parameters()).device
     drafter.load_state_dict(load_file(path / "drafter.safetensors", device=str(device)))
     state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)

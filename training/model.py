@@ -7,6 +7,10 @@ keys and values are [proj(context); proj(block tokens)] and the mask (training/m
 the context before its anchor and its own block, non-causally. RoPE positions: context 0..S-1, block token k
 at anchor + k. The embedding and LM head are the target's, frozen (buffers, outside the optimizer and the
 checkpoint).
+
+This is the served format's forward (DESIGN §7, the reference `DFlashDraftModel`): block position 0 is the anchor
+token and positions 1.. the `<|MASK|>` token (`mask_token_id`), both embedded by the target's table; q/k norms
+before RoPE; the final norm; row k predicts anchor + k. tests/training/test_export.py holds it to the reference.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from training.attention import AttentionMask, attend
-from training.target import rope_theta
+from training.target import rope_parameters
 
 
 @dataclass
@@ -29,15 +33,19 @@ class DrafterConfig:
     head_dim: int
     intermediate_size: int
     rms_norm_eps: float
-    rope_theta: float
+    rope_parameters: dict  # the target's: {"rope_type": "default", "rope_theta": theta} (nothing else is served)
     vocab_size: int
     num_layers: int
     num_features: int  # how many target layers are concatenated
     block_size: int
     target_layers: list[int]
+    mask_token_id: int  # the token at block positions 1..: `<|MASK|>` in the target's tokenizer
+    num_target_layers: int
+    max_position_embeddings: int  # the target's
 
     @classmethod
-    def from_target(cls, target_config, num_layers: int, block_size: int, target_layers: list[int]) -> DrafterConfig:
+    def from_target(cls, target_config, num_layers: int, block_size: int, target_layers: list[int],
+                    mask_token_id: int) -> DrafterConfig:
         hidden = target_config.hidden_size
         heads = target_config.num_attention_heads
         return cls(
@@ -45,9 +53,16 @@ class DrafterConfig:
             num_kv_heads=getattr(target_config, "num_key_value_heads", None) or heads,
             head_dim=getattr(target_config, "head_dim", None) or hidden // heads,
             intermediate_size=target_config.intermediate_size, rms_norm_eps=target_config.rms_norm_eps,
-            rope_theta=rope_theta(target_config), vocab_size=target_config.vocab_size, num_layers=num_layers,
-            num_features=len(target_layers), block_size=block_size, target_layers=list(target_layers),
+            rope_parameters=rope_parameters(target_config), vocab_size=target_config.vocab_size,
+            num_layers=num_layers, num_features=len(target_layers), block_size=block_size,
+            target_layers=list(target_layers), mask_token_id=mask_token_id,
+            num_target_layers=target_config.num_hidden_layers,
+            max_position_embeddings=target_config.max_position_embeddings,
         )
+
+    @property
+    def rope_theta(self) -> float:
+        return float(self.rope_parameters["rope_theta"])
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -137,10 +152,6 @@ class Drafter(nn.Module):
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        # Block positions 1.. start from a learned vector rather than a mask token id: the embedding is frozen,
-        # so a token id would pin them to an arbitrary untrained row (Qwen3 has no <|MASK|> token); the vector
-        # costs D parameters and learns what a "not yet known" input should look like.
-        self.mask_embedding = nn.Parameter(torch.empty(c.hidden_size))
         # The target's own embedding and LM head, frozen: buffers stay out of the optimizer and the checkpoint.
         self.register_buffer("embed_weight", embedding.detach(), persistent=False)
         self.register_buffer("lm_head_weight", lm_head.detach(), persistent=False)
@@ -152,8 +163,6 @@ class Drafter(nn.Module):
                 nn.init.normal_(module.weight, std=0.02)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
-        # The scale of the target's token embeddings (a slice: no float copy of a 151k-row table).
-        nn.init.normal_(self.mask_embedding, std=float(self.embed_weight[:8192].float().std()))
 
     def forward(self, features: torch.Tensor, anchor_tokens: torch.Tensor, anchors: torch.Tensor,
                 mask: AttentionMask) -> torch.Tensor:
@@ -162,9 +171,11 @@ class Drafter(nn.Module):
         batch, context_len, _ = features.shape
         num_blocks, block = anchors.shape[1], self.config.block_size
         context = self.hidden_norm(self.fc(features))
-        anchor_embeds = F.embedding(anchor_tokens, self.embed_weight).to(self.mask_embedding.dtype)
-        masked = self.mask_embedding.expand(batch, num_blocks, block - 1, -1)
-        hidden = torch.cat([anchor_embeds[:, :, None], masked], dim=2).reshape(batch, num_blocks * block, -1)
+        # The served block: the anchor token, then the mask token, all embedded by the target's frozen table.
+        block_tokens = torch.full((batch, num_blocks, block), self.config.mask_token_id, dtype=anchor_tokens.dtype,
+                                  device=anchor_tokens.device)
+        block_tokens[:, :, 0] = anchor_tokens
+        hidden = F.embedding(block_tokens.view(batch, -1), self.embed_weight).to(self.fc.weight.dtype)
 
         offsets = torch.arange(block, device=anchors.device)
         block_positions = (anchors[:, :, None] + offsets).reshape(batch, -1)

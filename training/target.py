@@ -3,6 +3,12 @@
 The drafter is conditioned on the outputs of a few target layers (DESIGN §5). They are captured with forward
 hooks on the decoder layers, so "layer l" means exactly the output of `layers[l]` whatever a given
 transformers version puts in `hidden_states`.
+
+What the served format (DESIGN §7) needs of a target is checked here, in one line each and before its weights
+load: the serving engines read layer l as `hidden_states[l + 1]`, which is the output of `layers[l]` except for
+the last layer (there it is after the final norm), so the last layer is refused; the drafter implements only
+plain RoPE; and the block's masked positions are the `<|MASK|>` token embedded by the target's own table, so
+the table needs a row for it (a tokenizer without the token gets it as an added special token).
 """
 
 from __future__ import annotations
@@ -11,25 +17,63 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AddedToken, AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from training.config import ConfigError
+
+MASK_TOKEN = "<|MASK|>"
 
 
 def default_feature_layers(num_layers: int, count: int = 5) -> list[int]:
     """`count` layers evenly spread from the second (1) to the third-last (L-3): 36 layers -> 1, 9, 17, 25, 33."""
     first, last = 1, num_layers - 3
     if last - first + 1 < count:
-        raise ValueError(f"a target with {num_layers} layers has fewer than {count} layers between 1 and L-3")
+        raise ConfigError(f"a target with {num_layers} layers has fewer than {count} layers between 1 and L-3; "
+                          "set target_layers")
     return [round(first + i * (last - first) / (count - 1)) for i in range(count)]
 
 
-def rope_theta(config) -> float:
-    """RoPE base across transformers versions (4.x: rope_theta; 5.x: rope_parameters["rope_theta"])."""
-    theta = getattr(config, "rope_theta", None)
+def check_feature_layers(layers: list[int], num_layers: int) -> None:
+    """Layers a served drafter reads exactly as training does: 0 <= l < L - 1."""
+    if any(layer < 0 or layer >= num_layers for layer in layers):
+        raise ConfigError(f"target_layers {layers} out of range for a {num_layers}-layer target")
+    if num_layers - 1 in layers:
+        raise ConfigError(f"target_layers {layers} holds the target's last layer ({num_layers - 1}): serving reads "
+                          "it after the target's final norm, training before it; use layers below it")
+
+
+def rope_parameters(config) -> dict:
+    """The target's RoPE as {"rope_type": "default", "rope_theta": theta} (transformers 4.x: rope_theta and
+    rope_scaling; 5.x: rope_parameters). Any scaling (yarn, llama3, dynamic, ...) is refused: the drafter
+    implements plain RoPE only, and an export would claim what it does not compute."""
+    params = getattr(config, "rope_parameters", None)
+    if params is None:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        if getattr(config, "rope_theta", None) is not None:
+            params.setdefault("rope_theta", config.rope_theta)
+    params = dict(params)
+    kind = params.pop("rope_type", params.pop("type", "default"))
+    theta = params.pop("rope_theta", None)
+    if params.get("partial_rotary_factor", 1.0) == 1.0:
+        params.pop("partial_rotary_factor", None)
+    if kind != "default" or params:
+        extra = f" with {params}" if params else ""
+        raise ConfigError(f"the target's RoPE is {kind!r}{extra}: the drafter implements only plain RoPE")
     if theta is None:
-        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta")
-    if theta is None:
-        raise ValueError("the target config has no RoPE theta")
-    return float(theta)
+        raise ConfigError("the target config has no RoPE theta")
+    return {"rope_type": "default", "rope_theta": float(theta)}
+
+
+def mask_token_id(tokenizer: PreTrainedTokenizerBase, embedding_rows: int) -> int:
+    """The id of `<|MASK|>`, added to the tokenizer as a special token if it lacks one; refused unless the
+    target's embedding table has a row for it (the served drafter embeds it with that table)."""
+    if MASK_TOKEN not in tokenizer.get_vocab():
+        tokenizer.add_tokens([AddedToken(MASK_TOKEN, special=True, normalized=False)], special_tokens=True)
+    token_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
+    if not 0 <= token_id < embedding_rows:
+        raise ConfigError(f"the target's embedding table has {embedding_rows} rows, none for {MASK_TOKEN} (id "
+                          f"{token_id}): a DFlash drafter cannot be served for it")
+    return token_id
 
 
 class Target:
@@ -41,8 +85,11 @@ class Target:
         self.config = model.config
         num_layers = self.config.num_hidden_layers
         self.layers = list(layers) if layers else default_feature_layers(num_layers)
-        if max(self.layers) >= num_layers:
-            raise ValueError(f"target_layers {self.layers} out of range for a {num_layers}-layer target")
+        check_feature_layers(self.layers, num_layers)
+        self.rope_parameters = rope_parameters(self.config)
+        rows = model.get_input_embeddings().weight.shape[0]
+        # None without a tokenizer (the benchmarks' random targets); the trainer always has one.
+        self.mask_token_id = mask_token_id(tokenizer, rows) if tokenizer is not None else None
         self._decoder_layers = model.get_decoder().layers
         self._captured: dict[int, torch.Tensor] | None = None  # a dict only while features() runs
         for index in self.layers:
@@ -53,7 +100,13 @@ class Target:
              layers: list[int] | None = None) -> Target:
         path = str(Path(path).expanduser())
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+        config = AutoConfig.from_pretrained(path)
+        # Everything the served format needs, checked before the weights load.
+        check_feature_layers(list(layers) if layers else default_feature_layers(config.num_hidden_layers),
+                             config.num_hidden_layers)
+        rope_parameters(config)
+        mask_token_id(tokenizer, config.vocab_size)
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, attn_implementation="sdpa")
         return cls(model.to(device), tokenizer, layers)
 
     def _capture_hook(self, index: int):

@@ -60,9 +60,16 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return wrapped
 
 
-def tiny_target_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3Config:
+def tiny_vocab_size(tokenizer: PreTrainedTokenizerFast) -> int:
+    """Rows of the tiny target's tables: the tokenizer's tokens plus at least one spare row, where the trainer's
+    `<|MASK|>` lands (an added special token), padded to a multiple of 16 as real models pad theirs (Qwen3-8B:
+    151,669 tokens, 151,936 rows)."""
+    return -(-(len(tokenizer) + 1) // 16) * 16
+
+
+def tiny_target_config(tokenizer: PreTrainedTokenizerFast, vocab_size: int | None = None) -> Qwen3Config:
     return Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=192, num_hidden_layers=8,
+        vocab_size=vocab_size or tiny_vocab_size(tokenizer), hidden_size=64, intermediate_size=192, num_hidden_layers=8,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rope_theta=10000.0,
         tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
@@ -71,12 +78,19 @@ def tiny_target_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3Config:
 
 
 def build_tiny_target(path: Path, seed: int = 0) -> None:
-    """A randomly initialised Qwen3 with the tiny tokenizer, saved like any Hugging Face checkpoint."""
+    """A randomly initialised Qwen3 with the tiny tokenizer, saved like any Hugging Face checkpoint.
+
+    Initialised with exactly the tokenizer's rows, as tiny-v1 was (the same random network), then given its
+    spare rows: random embedding rows like any untrained one, LM-head rows of 0 (a trained model's unused rows
+    score low), so the greedy target never emits a token its tokenizer cannot decode."""
     tokenizer = tiny_tokenizer()
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_target_config(tokenizer), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(tiny_target_config(tokenizer, len(tokenizer)), dtype=torch.float32)
     with torch.no_grad():  # a std-0.02 random head gives near-uniform logits whose loss barely moves;
         model.lm_head.weight.mul_(LM_HEAD_SCALE)  # scaling it changes no greedy choice, only the sharpness
+    model.resize_token_embeddings(tiny_vocab_size(tokenizer), mean_resizing=False)
+    with torch.no_grad():
+        model.lm_head.weight[len(tokenizer):] = 0
     with _staging_dir(path) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

@@ -25,7 +25,13 @@ from pathlib import Path
 import torch
 
 from training.attention import build_mask, resolve_backend, use_shared_flex_attention
-from training.checkpoint import checkpoints_dir, latest_checkpoint, load_checkpoint, save_checkpoint
+from training.checkpoint import (
+    check_checkpoint,
+    checkpoints_dir,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from training.compile import AttentionShape, SharedFlexAttention, projected_qkv
 from training.config import ConfigError, TrainConfig, load_config, parse_devices
 from training.data import Batch, BatchStream, DataError, eval_prompts, load_conversations, prepare_sequences
@@ -196,6 +202,8 @@ class StepBatches:
 
 def prepare_output_dir(config: TrainConfig, resume: bool) -> None:
     """A fresh run may not silently mix with an earlier run's checkpoints."""
+    if resume and latest_checkpoint(config.output_dir) is not None:
+        check_checkpoint(latest_checkpoint(config.output_dir))  # e.g. a pre-<|MASK|> one: refused before any work
     if resume or latest_checkpoint(config.output_dir) is None:
         return
     if not config.overwrite_output:
@@ -240,7 +248,7 @@ def train(config: TrainConfig, resume: bool = False, stop: StopRequest | None = 
 
     # The drafter replicas (identical), each with its optimizer and schedule.
     drafter_config = DrafterConfig.from_target(target.config, config.num_draft_layers, config.block_size,
-                                               target.layers)
+                                               target.layers, target.mask_token_id)
     embedding = target.model.get_input_embeddings().weight.to(drafter_devices[0])
     lm_head = target.model.get_output_embeddings().weight.to(drafter_devices[0])
     torch.manual_seed(config.seed)  # here, so that building the tiny world first changes nothing

@@ -84,8 +84,9 @@ def test_counted_flops_equal_the_matrix_products_that_run(small_bench):
 
 def test_attention_counts_only_the_pairs_the_mask_allows():
     c = drafter_bench.DrafterConfig(hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4, intermediate_size=8,
-                                    rms_norm_eps=1e-6, rope_theta=1e4, vocab_size=10, num_layers=3, num_features=2,
-                                    block_size=4, target_layers=[0, 1])
+                                    rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+                                    vocab_size=10, num_layers=3, num_features=2, block_size=4, target_layers=[0, 1],
+                                    mask_token_id=9, num_target_layers=4, max_position_embeddings=64)
     anchors, valid = torch.tensor([[3, 10]]), torch.tensor([[True, False]])
     flops = drafter_bench.drafter_flops(c, 1, 16, anchors, valid, loss_positions=3)
     pairs = 4 * (3 + 4)  # 4 block tokens see 3 context positions and their 4-token block; padding sees nothing

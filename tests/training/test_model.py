@@ -18,8 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from drafter_baseline import use_old  # the pre-fusion drafter code, kept for the benchmark
 
 CONFIG = DrafterConfig(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
-                       rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=50, num_layers=2, num_features=3,
-                       block_size=4, target_layers=[1, 2, 3])
+                       rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                       vocab_size=50, num_layers=2, num_features=3, block_size=4, target_layers=[1, 2, 3],
+                       mask_token_id=49, num_target_layers=6, max_position_embeddings=128)
 
 
 def make_drafter(seed: int = 0) -> Drafter:
@@ -76,7 +77,21 @@ def test_only_the_drafter_layers_train():
     trainable = {name for name, p in drafter.named_parameters() if p.requires_grad}
     assert "embed_weight" not in trainable and "lm_head_weight" not in trainable
     assert set(drafter.state_dict()) == {name for name, _ in drafter.named_parameters()}  # no frozen copies saved
-    assert "mask_embedding" in trainable and "fc.weight" in trainable
+    assert "fc.weight" in trainable
+    assert not any("mask" in name for name in trainable)  # masked positions embed mask_token_id, nothing learned
+
+
+def test_masked_block_positions_are_the_mask_token_embedded_by_the_target_table():
+    """What the engines feed a served drafter: the anchor token, then mask_token_id, through the target's own
+    embedding. Changing the mask token's row moves the outputs; changing any other unused row does not."""
+    drafter = make_drafter()
+    features, tokens = torch.randn(1, 30, 96), torch.randint(0, 40, (1, 30))
+    anchors, valid = torch.tensor([[10, 20]]), torch.tensor([[True, True]])
+    base = run(drafter, features, tokens, anchors, valid)
+    drafter.embed_weight[45] += 1.0  # a row no input uses
+    torch.testing.assert_close(run(drafter, features, tokens, anchors, valid), base, rtol=0, atol=0)
+    drafter.embed_weight[CONFIG.mask_token_id] += 1.0
+    assert not torch.allclose(run(drafter, features, tokens, anchors, valid), base)
 
 
 class OracleDrafter(torch.nn.Module):
