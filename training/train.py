@@ -36,6 +36,7 @@ from training.compile import AttentionShape, SharedFlexAttention, projected_qkv
 from training.config import ConfigError, TrainConfig, load_config, parse_devices
 from training.data import Batch, BatchStream, DataError, eval_prompts, load_conversations, prepare_sequences
 from training.evaluate import acceptance_length, build_eval_set
+from training.export import export_run
 from training.metrics import MetricsLog, metrics_path, say
 from training.model import Drafter, DrafterConfig
 from training.pipeline import Pipeline, PipelineConfig, PipelineError, StepReport
@@ -346,6 +347,7 @@ def train(config: TrainConfig, resume: bool = False, stop: StopRequest | None = 
             save(step)
         say(f"stopped at step {step}; checkpoint saved in {checkpoints_dir(config.output_dir)}")
         return 130 if result.stop_signal == signal.SIGINT else 0
+    export_run(config.output_dir)
     say(f"done: {step} steps")
     return 0
 

@@ -1,0 +1,221 @@
+"""Write a checkpoint as the directory the serving engines load (DESIGN §7).
+
+    python -m training.export RUN_OR_CHECKPOINT_DIR OUT_DIR [--dtype bfloat16|float32] [--force]
+
+RUN_OR_CHECKPOINT_DIR is a run's output_dir (its newest complete checkpoint is taken) or one checkpoint
+directory. OUT_DIR receives config.json (a Qwen3 config with `architectures: ["DFlashDraftModel"]`,
+`num_target_layers`, `block_size`, `dflash_config: {target_layer_ids, mask_token_id}`, both `rope_theta` and
+`rope_parameters` so that transformers 4.x and 5.x read the same RoPE) and model.safetensors with the
+reference implementation's parameter names; no embedding or LM head (the engine uses the target's).
+
+Everything is checked before anything is written; the directory is built under a temporary name beside OUT_DIR
+and renamed into place, so an export cut short never looks complete. Bad input (a missing, incomplete, corrupt
+or pre-convention checkpoint, a non-empty OUT_DIR without --force, an unknown dtype): one line on stderr, exit 2.
+A successful training run calls `export_run`, which writes `<output_dir>/export/`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from training.checkpoint import STEP_DIR, check_checkpoint, checkpoints_dir
+from training.config import ConfigError
+from training.metrics import say
+from training.model import Drafter, DrafterConfig
+from training.target import check_feature_layers, rope_parameters
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+ARCHITECTURE = "DFlashDraftModel"
+# The trainer's module names inside a drafter layer -> the reference's (Qwen3 decoder layer layout).
+LAYER_NAMES = {
+    "input_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+    "o_proj": "self_attn.o_proj", "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
+    "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj",
+}
+
+
+def served_name(name: str) -> str:
+    """A trainer parameter name -> the reference's: layers.0.q_proj.weight -> layers.0.self_attn.q_proj.weight."""
+    parts = name.split(".")
+    if parts[0] == "layers" and len(parts) == 4 and parts[2] in LAYER_NAMES:
+        return ".".join([parts[0], parts[1], LAYER_NAMES[parts[2]], parts[3]])
+    if name in ("fc.weight", "hidden_norm.weight", "norm.weight"):
+        return name
+    raise ValueError(f"no served name for drafter parameter {name!r}")
+
+
+def served_config(c: DrafterConfig, dtype: str) -> dict:
+    """config.json of the served drafter: a Qwen3 config plus the DFlash fields the reference reads."""
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen3",
+        "hidden_size": c.hidden_size,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "intermediate_size": c.intermediate_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": c.rms_norm_eps,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "rope_theta": c.rope_theta,
+        "rope_parameters": dict(c.rope_parameters),
+        "max_position_embeddings": c.max_position_embeddings,
+        "vocab_size": c.vocab_size,
+        "tie_word_embeddings": False,
+        "num_hidden_layers": c.num_layers,
+        "num_target_layers": c.num_target_layers,
+        "block_size": c.block_size,
+        "dflash_config": {"target_layer_ids": list(c.target_layers), "mask_token_id": c.mask_token_id},
+        "dtype": dtype,
+    }
+
+
+def resolve_checkpoint(source: str | Path) -> Path:
+    """A checkpoint directory itself, or the newest complete checkpoint of a run's output_dir."""
+    source = Path(source).expanduser()
+    if not source.is_dir():
+        raise ConfigError(f"{source} is not a directory")
+    if STEP_DIR.match(source.name) or (source / "drafter.safetensors").exists():
+        return source
+    root = checkpoints_dir(source)
+    if not root.is_dir():
+        raise ConfigError(f"{source} is neither a checkpoint nor a run's output_dir (no checkpoints/ in it)")
+    complete = [p for p in sorted(root.iterdir(), reverse=True)
+                if STEP_DIR.match(p.name) and all((p / name).is_file() for name in
+                                                  ("drafter.safetensors", "config.json", "state.pt"))]
+    if not complete:
+        raise ConfigError(f"no complete checkpoint in {root}")
+    return complete[0]
+
+
+def served_weights(checkpoint: Path, dtype: torch.dtype) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
+    """The checkpoint's config and its weights under the reference's names, checked against that config."""
+    config = check_checkpoint(checkpoint)
+    try:
+        check_feature_layers(config.target_layers, config.num_target_layers)
+        rope_parameters(SimpleNamespace(rope_parameters=config.rope_parameters))
+        if not 0 <= config.mask_token_id < config.vocab_size:
+            raise ConfigError(f"mask_token_id {config.mask_token_id} has no row in a {config.vocab_size}-row table")
+    except ConfigError as err:
+        raise ConfigError(f"{checkpoint}: {err}") from None
+    try:
+        weights = load_file(checkpoint / "drafter.safetensors")
+    except (OSError, SafetensorError) as err:
+        raise ConfigError(f"{checkpoint / 'drafter.safetensors'} is unreadable: {err}") from None
+    with torch.device("meta"):  # the parameters this config has, without allocating them
+        rows = torch.empty(config.vocab_size, config.hidden_size)
+        expected = {name: tuple(p.shape) for name, p in Drafter(config, rows, rows).state_dict().items()}
+    got = {name: tuple(t.shape) for name, t in weights.items()}
+    if got != expected:
+        missing, unexpected = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
+        wrong = sorted(n for n in expected.keys() & got.keys() if expected[n] != got[n])
+        raise ConfigError(f"{checkpoint}: weights do not match its config (missing {missing[:3]}, unexpected "
+                          f"{unexpected[:3]}, wrong shape {wrong[:3]})")
+    return config, {served_name(name): t.to(dtype).contiguous() for name, t in weights.items()}
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _check_destination(out: Path, checkpoint: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} exists and is not a directory")
+    resolved, source = out.resolve(), checkpoint.resolve()
+    if resolved == source or resolved in source.parents:
+        raise ConfigError(f"{out} holds the checkpoint being exported; choose another OUT_DIR")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ConfigError(f"{out} is not empty (pass --force to replace it)")
+
+
+def export_checkpoint(source: str | Path, out_dir: str | Path, dtype: str = "bfloat16",
+                      force: bool = False) -> tuple[Path, Path]:
+    """Export `source` (a run's output_dir or a checkpoint) to `out_dir`; returns (checkpoint, out_dir)."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    checkpoint = resolve_checkpoint(source)
+    out = Path(out_dir).expanduser()
+    _check_destination(out, checkpoint, force)
+    config, weights = served_weights(checkpoint, DTYPES[dtype])
+
+    # Checked: now build it beside OUT_DIR and rename it into place.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.export-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(served_config(config, dtype), indent=2) + "\n")
+        for file in tmp.iterdir():
+            _fsync(file)
+        _fsync(tmp)
+        if out.exists():  # empty, or --force: set the old one aside, put the new one in, then delete the old
+            old = out.parent / f".{out.name}.replaced-{os.getpid()}"
+            os.replace(out, old)
+            try:
+                os.replace(tmp, out)
+            except OSError:
+                os.replace(old, out)
+                raise
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out)
+        _fsync(out.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return checkpoint, out
+
+
+def export_run(output_dir: str | Path) -> Path:
+    """A finished run's newest checkpoint into <output_dir>/export/ (bf16), replacing an earlier export."""
+    checkpoint, out = export_checkpoint(output_dir, Path(output_dir).expanduser() / "export", force=True)
+    say(f"exported {checkpoint.name} to {out} for serving")
+    return out
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2, like every other bad-input path
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _Parser(prog="python -m training.export",
+                     description="Write a drafter checkpoint in the format SGLang and vLLM load (DFlashDraftModel).")
+    parser.add_argument("source", metavar="RUN_OR_CHECKPOINT_DIR",
+                        help="a run's output_dir (its newest complete checkpoint) or a checkpoint directory")
+    parser.add_argument("out_dir", metavar="OUT_DIR", help="the model directory to write")
+    parser.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR")
+    args = parser.parse_args(argv)
+    try:
+        checkpoint, out = export_checkpoint(args.source, args.out_dir, args.dtype, args.force)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # writing failed (disk full, permissions): nothing is left half-written
+        print(f"error: writing {args.out_dir}: {err}", file=sys.stderr)
+        return 1
+    print(f"exported {checkpoint} to {out} ({args.dtype})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
