@@ -44,6 +44,9 @@ def test_tiny_run_learns_and_beats_the_untrained_drafter(tiny_world, tmp_path):
     assert losses[-1] < 0.6 * losses[0], losses
     assert len(taus) == 2 and taus[1] > taus[0] + 1.0, taus  # untrained (step 0) vs trained
     assert latest_checkpoint(tmp_path / "run").name == "step_00000040"
+    assert "exported step_00000040 to" in result.stdout  # a run that ends normally exports itself for serving
+    assert sorted(p.name for p in (tmp_path / "run" / "export").iterdir()) == ["config.json", "model.safetensors"]
+    assert result.stdout.rstrip().endswith("done: 40 steps")
 
 
 def test_resume_gives_the_same_losses_as_an_uninterrupted_run(tiny_world, tmp_path):
@@ -91,3 +94,4 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tiny_world, tmp_path):
     checkpoint = latest_checkpoint(tmp_path)
     assert checkpoint is not None and int(checkpoint.name.split("_")[1]) >= last_step
     assert "stopped at step" in output
+    assert not (tmp_path / "export").exists()  # only a run that ends normally exports itself
