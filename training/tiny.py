@@ -103,8 +103,8 @@ def build_tiny_data(target: Target, train_path: Path, eval_path: Path, num_train
     rng = random.Random(seed)
     first_word = len(SPECIAL_TOKENS) + len(ADDED_TOKENS)
     prompts = []
-    for _ in range(num_train + num_eval):
-        ids = [rng.randrange(first_word, len(tokenizer)) for _ in range(rng.randint(*PROMPT_WORDS))]
+    for _ in range(num_train + num_eval):  # words only: not the <|MASK|> the loaded tokenizer has after them
+        ids = [rng.randrange(first_word, first_word + NUM_WORDS) for _ in range(rng.randint(*PROMPT_WORDS))]
         prompts.append(tokenizer.decode(ids))
     prompt_ids = [encode_chat(tokenizer, [{"role": "user", "content": p}], generation_prompt=True) for p in prompts]
     replies = target.generate_greedy(prompt_ids, max_new_tokens=REPLY_TOKENS[1])

@@ -19,7 +19,7 @@ import training.export as export_module
 from training.attention import build_mask
 from training.checkpoint import check_checkpoint, latest_checkpoint, save_checkpoint
 from training.config import ConfigError
-from training.data import eval_prompts, load_conversations
+from training.data import encode_chat, eval_prompts, load_conversations
 from training.export import main as export_main
 from training.model import Drafter, DrafterConfig
 from training.target import MASK_TOKEN, Target
@@ -126,6 +126,15 @@ def test_the_tiny_tokenizer_gets_mask_as_an_added_special_token_with_a_row_of_it
     assert tokenizer.added_tokens_decoder[target.mask_token_id].special
     assert tokenizer.decode([target.mask_token_id]) == MASK_TOKEN
     assert tokenizer.decode([target.mask_token_id], skip_special_tokens=True) == ""
+
+
+def test_the_tiny_data_never_holds_the_mask_token(target, tiny_world):
+    """The mask token marks what the drafter has not seen: it must never be a real token of the data."""
+    tokenizer = target.tokenizer
+    for path in (tiny_world.train, tiny_world.eval):
+        assert MASK_TOKEN not in path.read_text()
+        for messages in load_conversations(str(path)):
+            assert target.mask_token_id not in encode_chat(tokenizer, messages)
 
 
 # ---- the semantics -------------------------------------------------------------------------------------------
