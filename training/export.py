@@ -80,6 +80,7 @@ def served_config(c: DrafterConfig, dtype: str) -> dict:
         "block_size": c.block_size,
         "dflash_config": {"target_layer_ids": list(c.target_layers), "mask_token_id": c.mask_token_id},
         "dtype": dtype,
+        "torch_dtype": dtype,  # the same, for engines on transformers 4.x (5.x reads `dtype`, warns on this one)
     }
 
 
@@ -151,7 +152,7 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, dtype: str = "bfl
     if dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     checkpoint = resolve_checkpoint(source)
-    out = Path(out_dir).expanduser()
+    out = Path(os.path.abspath(Path(out_dir).expanduser()))  # "." and ".." resolved: a name to build beside
     _check_destination(out, checkpoint, force)
     config, weights = served_weights(checkpoint, DTYPES[dtype])
 
