@@ -45,7 +45,7 @@ QWEN3_8B = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 1228
 SMOKE = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 16}
 # One compiled shape, so the plain compiled flex_attention serves; warm-ups still take turns so that no thread
-# calls it while another compiles it (DESIGN §6). The trainer uses training/compile.py's full discipline.
+# calls it while another compiles it (ARCHITECTURE §6). The trainer uses training/compile.py's full discipline.
 WARMUP_LOCK = threading.Lock()
 
 

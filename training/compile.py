@@ -1,4 +1,4 @@
-"""One compiled flex_attention shared by every thread of the process, race-free by design (DESIGN §6).
+"""One compiled flex_attention shared by every thread of the process, race-free by design (ARCHITECTURE §6).
 
 Why: dynamo keeps one cache entry per device x shape x grad mode. Past the recompile limit (default 8)
 a compiled function silently runs flex_attention uncompiled: dense scores, and with gradients a `make_fx`

@@ -1,4 +1,4 @@
-"""Write a checkpoint as the directory the serving engines load (DESIGN §7).
+"""Write a checkpoint as the directory the serving engines load (ARCHITECTURE §7).
 
     python -m training.export RUN_OR_CHECKPOINT_DIR OUT_DIR [--dtype bfloat16|float32] [--force]
 

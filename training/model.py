@@ -1,4 +1,4 @@
-"""The DFlash drafter (DESIGN §5): a few Qwen3-style layers that denoise a block of masked tokens at once,
+"""The DFlash drafter (ARCHITECTURE §5): a few Qwen3-style layers that denoise a block of masked tokens at once,
 conditioned on the target's hidden states through KV injection.
 
 Per batch row: the context is the target's features for positions 0..S-1 (fused once: Linear(n*D -> D) +
@@ -8,7 +8,7 @@ the context before its anchor and its own block, non-causally. RoPE positions: c
 at anchor + k. The embedding and LM head are the target's, frozen (buffers, outside the optimizer and the
 checkpoint).
 
-This is the served format's forward (DESIGN §7, the reference `DFlashDraftModel`): block position 0 is the anchor
+This is the served format's forward (ARCHITECTURE §7, the reference `DFlashDraftModel`): block position 0 is the anchor
 token and positions 1.. the `<|MASK|>` token (`mask_token_id`), both embedded by the target's table; q/k norms
 before RoPE; the final norm; row k predicts anchor + k. tests/training/test_export.py holds it to the reference.
 """

@@ -1,10 +1,10 @@
 """The frozen target model: loaded with transformers from a local directory, used for its hidden states.
 
-The drafter is conditioned on the outputs of a few target layers (DESIGN §5). They are captured with forward
+The drafter is conditioned on the outputs of a few target layers (ARCHITECTURE §5). They are captured with forward
 hooks on the decoder layers, so "layer l" means exactly the output of `layers[l]` whatever a given
 transformers version puts in `hidden_states`.
 
-What the served format (DESIGN §7) needs of a target is checked here, in one line each and before its weights
+What the served format (ARCHITECTURE §7) needs of a target is checked here, in one line each and before its weights
 load: the serving engines read layer l as `hidden_states[l + 1]`, which is the output of `layers[l]` except for
 the last layer (there it is after the final norm), so the last layer is refused; the drafter implements only
 plain RoPE; and the block's masked positions are the `<|MASK|>` token embedded by the target's own table, so

@@ -1,4 +1,4 @@
-"""The compile discipline of the shared flex_attention (training/compile.py, DESIGN §6), on the CPU.
+"""The compile discipline of the shared flex_attention (training/compile.py, ARCHITECTURE §6), on the CPU.
 
 Each test asserts invariants (no compile and no FX trace after warm-up, no eager run, the FX flag ends
 False) instead of hoping that a race shows. Grad modes: flex_attention's public API refuses backward on

@@ -1,4 +1,4 @@
-"""The DFlash mask_mod against a reference written from its definition (DESIGN §5)."""
+"""The DFlash mask_mod against a reference written from its definition (ARCHITECTURE §5)."""
 
 from __future__ import annotations
 
