@@ -112,3 +112,16 @@ def test_attention_counts_only_the_pairs_the_mask_allows():
 ])
 def test_profile_categories(name, parents, category):
     assert drafter_bench.kernel_category(name, parents) == category
+
+
+def test_serve_bench_runs_on_the_cpu_and_the_served_drafter_proposes_what_the_trainer_does(tmp_path):
+    """bench/serve_bench.py (the exported drafter in the reference's loop at the 8B shape) in its toy form."""
+    out = tmp_path / "serve.json"
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "serve_bench.py"), "--small", "--device", "cpu",
+                             "--prompt-len", "48", "--new-tokens", "16", "--repeats", "2", "--json", str(out)],
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["proposal_agreement"] == 1.0  # float32: the served drafter is the trainer's
+    assert report["draft_ms_per_block"] > 0 and report["loop_ms_per_token"] > 0 and report["output_tokens"] == 16
+    assert "draft one block" in result.stdout
