@@ -24,12 +24,13 @@ from pathlib import Path
 
 import torch
 
-from training.attention import build_mask, resolve_backend, use_shared_flex_attention
+from training.attention import FlexAttention, resolve_backend
 from training.checkpoint import checkpoints_dir, latest_checkpoint, load_checkpoint, save_checkpoint
 from training.compile import AttentionShape, SharedFlexAttention, projected_qkv
 from training.config import ConfigError, TrainConfig, load_config, parse_devices
 from training.data import Batch, BatchStream, DataError, eval_prompts, load_conversations, prepare_sequences
 from training.evaluate import acceptance_length, build_eval_set
+from training.mask import build_block_mask
 from training.metrics import MetricsLog, metrics_path, say
 from training.model import Drafter, DrafterConfig
 from training.pipeline import Pipeline, PipelineConfig, PipelineError, StepReport
@@ -107,12 +108,15 @@ class TargetReplica:
 
 
 class DrafterReplica:
-    """The pipeline's drafter stage on one device: a drafter replica with its optimizer and LR schedule."""
+    """The pipeline's drafter stage on one device: a drafter replica with its optimizer and LR schedule.
+
+    `flex_attention` is what its drafter calls with the flex backend (None with SDPA): the trainer's
+    SharedFlexAttention, which `warm_up` compiles on this device before steady state."""
 
     def __init__(self, drafter: Drafter, config: TrainConfig, backend: str, dtype: torch.dtype,
-                 shared_flex: SharedFlexAttention | None = None):
+                 flex_attention: FlexAttention | None = None):
         self.drafter, self.config, self.backend, self.dtype = drafter, config, backend, dtype
-        self.shared_flex = shared_flex
+        self.flex_attention = flex_attention
         self.params = [p for p in drafter.parameters() if p.requires_grad]
         self.device = self.params[0].device
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=(0.9, 0.95),
@@ -125,7 +129,7 @@ class DrafterReplica:
 
     def loss(self, features: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         output = drafter_stage(self.drafter, features, batch, self.backend, self.config.gamma,
-                               self.config.loss_chunk_size, self.dtype)
+                               self.config.loss_chunk_size, self.dtype, self.flex_attention)
         return output.loss, {"accuracy": output.accuracy}
 
     def optimizer_step(self) -> None:
@@ -135,8 +139,8 @@ class DrafterReplica:
 
     def warm_up(self) -> None:
         """Compile the shared flex_attention for every length bucket on this device (then meet the others)."""
-        if self.shared_flex is not None:
-            self.shared_flex.warm_up(self.device, self._warm_up_mask, projected_qkv)
+        if isinstance(self.flex_attention, SharedFlexAttention):
+            self.flex_attention.warm_up(self.device, self._warm_up_mask, projected_qkv)
 
     def _warm_up_mask(self, shape: AttentionShape, device: torch.device):
         """A training-like block mask for a warm-up shape: anchors spread over the context, all valid."""
@@ -145,7 +149,7 @@ class DrafterReplica:
         anchors = torch.linspace(1, context - block, shape.q_len // block, device=device).long()
         anchors = anchors.expand(shape.batch, -1).contiguous()
         valid = torch.ones_like(anchors, dtype=torch.bool)
-        return build_mask("flex", anchors, valid, context, block).block_mask
+        return build_block_mask(anchors, valid, context, block)
 
 
 def shared_flex_attention(config: TrainConfig, drafter_config: DrafterConfig, devices: list[torch.device],
@@ -319,13 +323,10 @@ def train(config: TrainConfig, resume: bool = False, stop: StopRequest | None = 
         [TargetReplica(t) for t in targets], replicas, batches, start_step=step, max_steps=config.max_steps,
         on_step=on_step,
     )
-    if shared_flex is not None:
-        use_shared_flex_attention(shared_flex)
     try:
         result = pipeline.run()
     finally:
         if shared_flex is not None:
-            use_shared_flex_attention(None)
             shared_flex.close()
     step = result.steps_done
     if shared_flex is not None:
