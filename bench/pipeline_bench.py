@@ -127,7 +127,7 @@ def run_mode(name: str, targets, drafters, target_devices, drafter_devices, args
     gpus = sorted({d for d in [*target_devices, *drafter_devices] if d.type == "cuda"}, key=str)
     for gpu in gpus:
         torch.cuda.reset_peak_memory_stats(gpu)
-    pipeline.run(handle_signals=False)
+    pipeline.run()
 
     seconds = marks["end"] - marks["start"]
     sequences = args.steps * args.global_batch

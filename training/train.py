@@ -5,7 +5,8 @@
 One process: a target thread per `target_devices` entry, a drafter thread (one drafter replica) per
 `drafter_devices` entry; a one-device run is one of each on the same device. A bad configuration prints one
 line and exits 2. SIGTERM (and Ctrl-C) stop at a step boundary, save a checkpoint and exit (0 for SIGTERM, 130
-for Ctrl-C); a second one aborts at once. A failing thread stops them all: its traceback, then exit 1.
+for Ctrl-C); a second one aborts at once (130, no checkpoint). A failing thread stops them all: its traceback,
+then exit 1. `main` alone turns how the run ended into the exit code.
 """
 
 from __future__ import annotations
@@ -33,13 +34,16 @@ from training.evaluate import acceptance_length, build_eval_set
 from training.mask import build_block_mask
 from training.metrics import MetricsLog, metrics_path, say
 from training.model import Drafter, DrafterConfig
-from training.pipeline import Pipeline, PipelineConfig, PipelineError, StepReport
+from training.pipeline import Pipeline, PipelineConfig, PipelineError, RunResult, StepReport
 from training.step import compute_dtype, drafter_stage
 from training.target import Target
 
 
 class StopRequest:
-    """While active, SIGTERM/SIGINT become a flag the loop checks between steps; a second signal acts at once."""
+    """The process's one signal path: while active, the first SIGTERM/SIGINT asks the run to stop at the next
+    safe point (before training, or a step boundary: the pipeline polls `reason`); a second one raises
+    KeyboardInterrupt at once, which aborts without a checkpoint. The handler only records or raises: it may
+    run between any two bytecodes of the main thread, so it takes no lock and writes nothing."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -56,16 +60,18 @@ class StopRequest:
             signal.signal(signum, handler)
 
     def _handle(self, signum, frame) -> None:
+        if self.signal is not None:
+            raise KeyboardInterrupt(f"a second stop signal ({signal.Signals(signum).name}): aborting without a "
+                                    "checkpoint")
         self.signal = signum
-        signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
-        say(f"received {signal.Signals(signum).name}: stopping after this step")
 
     @property
     def requested(self) -> bool:
         return self.signal is not None
 
-    def exit_code(self) -> int:
-        return 130 if self.signal == signal.SIGINT else 0
+    def reason(self) -> str | None:
+        """The first signal's name, or None while none came."""
+        return None if self.signal is None else signal.Signals(self.signal).name
 
 
 def cosine_schedule(optimizer: torch.optim.Optimizer, max_steps: int, warmup_ratio: float):
@@ -209,7 +215,8 @@ def prepare_output_dir(config: TrainConfig, resume: bool) -> None:
     metrics_path(config.output_dir).unlink(missing_ok=True)
 
 
-def train(config: TrainConfig, resume: bool = False, stop: StopRequest | None = None) -> int:
+def train(config: TrainConfig, resume: bool = False, stop: StopRequest | None = None) -> RunResult:
+    """Train to config.max_steps, or until `stop` asks; returns the steps done and whether it stopped early."""
     # Devices and numerics.
     target_devices, drafter_devices, backend = pick_devices(config)
     dtype = compute_dtype(config.dtype, drafter_devices[0])
@@ -315,8 +322,8 @@ def train(config: TrainConfig, resume: bool = False, stop: StopRequest | None = 
             save(done)
 
     if stop.requested:  # a signal while loading: nothing trained, nothing to save
-        say(f"stopped at step {step} before training")
-        return stop.exit_code()
+        say(f"{stop.reason()}: stopped at step {step} before training")
+        return RunResult(step, stopped=True)
     pipeline = Pipeline(
         PipelineConfig(target_devices, drafter_devices, config.micro_batches_per_step(), config.queue_depth,
                        config.grad_clip),
@@ -324,7 +331,7 @@ def train(config: TrainConfig, resume: bool = False, stop: StopRequest | None = 
         on_step=on_step,
     )
     try:
-        result = pipeline.run()
+        result = pipeline.run(stop=stop.reason)
     finally:
         if shared_flex is not None:
             shared_flex.close()
@@ -338,9 +345,9 @@ def train(config: TrainConfig, resume: bool = False, stop: StopRequest | None = 
         if step != saved_step:
             save(step)
         say(f"stopped at step {step}; checkpoint saved in {checkpoints_dir(config.output_dir)}")
-        return 130 if result.stop_signal == signal.SIGINT else 0
-    say(f"done: {step} steps")
-    return 0
+    else:
+        say(f"done: {step} steps")
+    return result
 
 
 class _Parser(argparse.ArgumentParser):
@@ -358,6 +365,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The process: train, then the exit code, decided here and nowhere else: 0 done or stopped by SIGTERM,
+    130 stopped by Ctrl-C or aborted by a second signal, 2 a bad configuration or data, 1 a failed thread."""
     args = parse_args(argv)
     try:
         config = load_config(args.config, args.set)
@@ -365,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
 
         hf_logging.disable_progress_bar()  # progress bars would fill the run's log file with carriage returns
         with StopRequest() as stop:
-            return train(config, resume=args.resume, stop=stop)
+            result = train(config, resume=args.resume, stop=stop)
     except (ConfigError, DataError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -376,6 +385,10 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()
             os._exit(1)
         return 130 if isinstance(err.error, KeyboardInterrupt) else 1
+    except KeyboardInterrupt as interrupt:  # a second signal outside the pipeline (loading, saving)
+        print(f"error: {interrupt or 'interrupted'}", file=sys.stderr, flush=True)
+        return 130
+    return 130 if result.stopped and stop.signal == signal.SIGINT else 0
 
 
 if __name__ == "__main__":
