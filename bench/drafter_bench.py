@@ -39,7 +39,7 @@ sys.path.insert(0, str(BENCH))
 from drafter_baseline import PARTS, use_old
 from gpu_smoke import QWEN3_8B, SMALL, random_batch
 
-from training.attention import build_mask
+from training.attention import build_mask, compile_flex_attention
 from training.loss import MATMUL_WRITES_FLOAT32, block_targets
 from training.model import Drafter, DrafterConfig
 from training.step import autocast
@@ -168,6 +168,7 @@ class Bench:
         self.device, self.clock, self.matmul_tflops = device, Clock(device), matmul_tflops
         cuda = device.type == "cuda"
         self.dtype, self.backend = (torch.bfloat16, "flex") if cuda else (torch.float32, "sdpa")
+        self.flex_attention = compile_flex_attention() if self.backend == "flex" else None
         self.target_config = Qwen3Config(**dims)
         layers = default_feature_layers(self.target_config.num_hidden_layers, NUM_FEATURES)
         # A random target has no tokenizer: its last row stands in for <|MASK|> (the timing is the same).
@@ -206,7 +207,7 @@ class Bench:
 
     def build_mask(self):
         b = self.batch
-        return build_mask(self.backend, b.anchors, b.block_valid, b.input_ids.shape[1], BLOCK)
+        return build_mask(self.backend, b.anchors, b.block_valid, b.input_ids.shape[1], BLOCK, self.flex_attention)
 
     def step(self, loss_fn, chunk_size: int) -> list:
         """One training step; returns clock marks: start, mask built, forward, backward, optimizer."""

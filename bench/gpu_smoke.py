@@ -27,6 +27,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from training.attention import compile_flex_attention
 from training.data import Batch
 from training.evaluate import EvalSet, acceptance_length
 from training.model import Drafter, DrafterConfig
@@ -99,6 +100,7 @@ def qwen3_8b_shapes(device: torch.device, steps: int, small: bool) -> None:
     dims, context, num_anchors = (SMALL, 600, 32) if small else (QWEN3_8B, 3072, 512)
     cuda = device.type == "cuda"
     dtype, backend = (torch.bfloat16, "flex") if cuda else (torch.float32, "sdpa")
+    flex_attention = compile_flex_attention() if backend == "flex" else None
     if cuda:
         torch.cuda.set_device(device)
     print(f"== {'toy' if small else 'Qwen3-8B'}-shaped random target + DFlash drafter on {device} ==", flush=True)
@@ -129,7 +131,7 @@ def qwen3_8b_shapes(device: torch.device, steps: int, small: bool) -> None:
         features = target_stage(target, batch, device)
         sync(device)
         t1 = time.time()
-        output = drafter_stage(drafter, features, batch, backend, GAMMA, CHUNK, dtype)
+        output = drafter_stage(drafter, features, batch, backend, GAMMA, CHUNK, dtype, flex_attention)
         output.loss.backward()
         sync(device)
         t2 = time.time()

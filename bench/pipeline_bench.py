@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from training.attention import FlexAttention, compile_flex_attention
 from training.config import TrainConfig
 from training.data import Batch, BatchStream, Sequence
 from training.model import Drafter, DrafterConfig
@@ -44,8 +45,9 @@ QWEN3_8B = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 1228
             "num_key_value_heads": 8, "head_dim": 128}
 SMOKE = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 16}
-# One compiled shape, so the plain compiled flex_attention serves; warm-ups still take turns so that no thread
-# calls it while another compiles it (ARCHITECTURE §6). The trainer uses training/compile.py's full discipline.
+# One compiled shape, so one plain compiled flex_attention, passed to every replica, serves; warm-ups still take
+# turns so that no thread calls it while another compiles it (ARCHITECTURE §6). The trainer uses training/compile.py's
+# full discipline.
 WARMUP_LOCK = threading.Lock()
 
 
@@ -80,8 +82,8 @@ class BenchReplica(DrafterReplica):
     """The trainer's drafter replica; in the serial loop (`target` given) it runs its GPU's target first."""
 
     def __init__(self, drafter: Drafter, config: TrainConfig, backend: str, dtype: torch.dtype,
-                 warmup_batch: Batch, target: Target | None = None):
-        super().__init__(drafter, config, backend, dtype)
+                 flex_attention: FlexAttention | None, warmup_batch: Batch, target: Target | None = None):
+        super().__init__(drafter, config, backend, dtype, flex_attention)
         self.warmup_batch, self.target = warmup_batch, target
 
     def loss(self, features: torch.Tensor | None, batch: Batch):
@@ -125,7 +127,7 @@ def run_mode(name: str, targets, drafters, target_devices, drafter_devices, args
     gpus = sorted({d for d in [*target_devices, *drafter_devices] if d.type == "cuda"}, key=str)
     for gpu in gpus:
         torch.cuda.reset_peak_memory_stats(gpu)
-    pipeline.run(handle_signals=False)
+    pipeline.run()
 
     seconds = marks["end"] - marks["start"]
     sequences = args.steps * args.global_batch
@@ -193,21 +195,22 @@ def main() -> None:
         return BatchStream(sequences, 1, [args.length], block, args.anchors, 0, seed=0)
 
     warmup_batch = next(stream())
+    flex_attention = compile_flex_attention() if backend == "flex" else None
     print(f"built 2 x {'tiny' if args.smoke else 'Qwen3-8B'}-shaped random targets and drafters "
           f"({first.num_trainable() / 1e9:.3f} B trainable parameters) in {time.perf_counter() - t0:.0f} s",
           flush=True)
 
     # Serial first: it needs both drafter replicas identical, and training changes them.
-    serial_replicas = [BenchReplica(d, config, backend, dtype, warmup_batch, target=t)
+    serial_replicas = [BenchReplica(d, config, backend, dtype, flex_attention, warmup_batch, target=t)
                        for d, t in zip(drafters, targets)]
     serial = run_mode("serial", [PassThrough()], serial_replicas, [torch.device("cpu")], devices, args,
                       stream())
     # The serial loop kept both replicas identical: the shared split trains both, the 1:1 split one of them.
     shared = run_mode("threaded 1:2", [TargetReplica(target)],
-                      [BenchReplica(d, config, backend, dtype, warmup_batch) for d in drafters],
+                      [BenchReplica(d, config, backend, dtype, flex_attention, warmup_batch) for d in drafters],
                       [devices[0]], devices, args, stream())
     threaded = run_mode("threaded", [TargetReplica(target)],
-                        [BenchReplica(drafters[1], config, backend, dtype, warmup_batch)],
+                        [BenchReplica(drafters[1], config, backend, dtype, flex_attention, warmup_batch)],
                         [devices[0]], [devices[1]], args, stream())
 
     card = torch.cuda.get_device_name(0) if devices[0].type == "cuda" else "CPU (smoke)"

@@ -2,35 +2,32 @@
 
 Both come from the one `mask_mod` in training/mask.py. A mask is built once per batch (`build_mask`) and shared
 by every drafter layer. Rows that see nothing (padding blocks) give 0 in both backends, never NaN.
+
+The compiled flex_attention is never found through module state: whoever builds the mask passes it in (the
+threaded trainer its SharedFlexAttention, training/compile.py; single-threaded tools `compile_flex_attention()`),
+and the mask carries it to `attend`, so two trainers in one process cannot reach each other's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask
+from torch.nn.attention.flex_attention import flex_attention as uncompiled_flex_attention
 
 from training.mask import build_block_mask, dense_mask
 
-_compiled_flex = None
+# Called like flex_attention(q, k, v, block_mask=..., enable_gqa=...): a SharedFlexAttention or a compiled one.
+FlexAttention = Callable[..., torch.Tensor]
 
 
-def use_shared_flex_attention(shared) -> None:
-    """Route every flex call of this process through `shared`, a training/compile.py SharedFlexAttention (the
-    threaded trainer's one compiled flex_attention, warmed per device before steady state); None undoes it."""
-    global _compiled_flex
-    _compiled_flex = shared
-
-
-def compiled_flex_attention():
-    """The process's one compiled flex_attention (fixed shapes, whole graph or a loud error): the shared one
-    when the trainer installed it, else a plain compiled one (single-threaded use: tests, benchmarks)."""
-    global _compiled_flex
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False, fullgraph=True)
-    return _compiled_flex
+def compile_flex_attention() -> FlexAttention:
+    """A plain compiled flex_attention (fixed shapes, whole graph or a loud error) for single-threaded use:
+    tests and benchmarks. Threads sharing one must use training/compile.py's discipline instead (ARCHITECTURE §6)."""
+    return torch.compile(uncompiled_flex_attention, dynamic=False, fullgraph=True)
 
 
 def resolve_backend(name: str, device: torch.device | str) -> str:
@@ -46,13 +43,19 @@ class AttentionMask:
     block_mask: BlockMask | None = None  # flex
     dense: torch.Tensor | None = None  # sdpa: [B, 1, Q, KV] bool, empty rows opened (see below)
     row_visible: torch.Tensor | None = None  # sdpa: [B, 1, Q, 1], False for rows that see nothing
+    flex_attention: FlexAttention | None = None  # flex: the compiled function every layer calls
 
 
 def build_mask(backend: str, anchors: torch.Tensor, block_valid: torch.Tensor, context_len: int,
-               block_size: int) -> AttentionMask:
-    """The DFlash mask for one batch, on the anchors' device."""
+               block_size: int, flex_attention: FlexAttention | None = None) -> AttentionMask:
+    """The DFlash mask for one batch, on the anchors' device; the flex backend needs the compiled
+    `flex_attention` to call (the SDPA one ignores it)."""
     if backend == "flex":
-        return AttentionMask("flex", block_mask=build_block_mask(anchors, block_valid, context_len, block_size))
+        if flex_attention is None:
+            raise ValueError("attention backend 'flex' needs a compiled flex_attention: the trainer's "
+                             "SharedFlexAttention, or compile_flex_attention() outside threads")
+        block_mask = build_block_mask(anchors, block_valid, context_len, block_size)
+        return AttentionMask("flex", block_mask=block_mask, flex_attention=flex_attention)
     if backend != "sdpa":
         raise ValueError(f"unknown attention backend {backend!r}")
     dense = dense_mask(anchors, block_valid, context_len, block_size)
@@ -64,7 +67,7 @@ def build_mask(backend: str, anchors: torch.Tensor, block_valid: torch.Tensor, c
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
     """q [B, H, Q, d], k/v [B, Hkv, KV, d] (grouped-query) -> [B, H, Q, d]."""
     if mask.backend == "flex":
-        return compiled_flex_attention()(q, k, v, block_mask=mask.block_mask, enable_gqa=q.shape[1] != k.shape[1])
+        return mask.flex_attention(q, k, v, block_mask=mask.block_mask, enable_gqa=q.shape[1] != k.shape[1])
     groups = q.shape[1] // k.shape[1]
     if groups > 1:  # expand the KV heads: keeps the memory-efficient kernels usable on every torch version
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)

@@ -15,8 +15,10 @@ What keeps it correct:
 - Streams: on CUDA each thread works on its own stream and synchronizes it at the end of every busy span;
   tensors cross threads only after that, and each consumer holds them until its own stream has synchronized.
 - Stop: an exception in any thread aborts every wait and ends every thread; `run` raises `PipelineError` with
-  that thread's error and traceback. A requested stop (SIGTERM, SIGINT) ends at a step boundary: the current
-  step finishes if all its micro-batches were already done, otherwise it is dropped.
+  that thread's error and traceback, and so does a KeyboardInterrupt in the thread running `run` (Ctrl-C, or
+  the trainer's second stop signal). A requested stop (`request_stop`, or the `stop` that `run` polls) ends at
+  a step boundary: the current step finishes if all its micro-batches were already done, otherwise it is
+  dropped. The pipeline installs no signal handler: the process's entry point owns signals.
 - Compile discipline: each thread calls its worker's optional `warm_up()` on its own device, then every thread
   meets at one barrier before steady state (no thread works while another may still be compiling).
 """
@@ -24,13 +26,12 @@ What keeps it correct:
 from __future__ import annotations
 
 import dataclasses
-import signal
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
@@ -89,7 +90,6 @@ class StepReport:
 class RunResult:
     steps_done: int
     stopped: bool  # a stop was requested before max_steps
-    stop_signal: int | None = None  # the signal that requested it, if one did
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,7 +388,6 @@ class Pipeline:
         self._error: tuple[str, BaseException] | None = None
         self._error_lock = threading.Lock()
         self._stop_requested = False
-        self._signals: list[int] = []  # received by run()'s handlers, acted on by the supervisor loop
         self._progress = 0
         self._steps_done = start_step
         self._steady = False  # every thread has passed warm-up
@@ -429,10 +428,11 @@ class Pipeline:
         self._step_barrier.abort()
 
     # The main thread.
-    def run(self, handle_signals: bool = True) -> RunResult:
+    def run(self, stop: Callable[[], str | None] | None = None) -> RunResult:
         """Run every thread to the end; raises PipelineError when any of them failed.
 
-        With handle_signals (main thread only), SIGTERM and SIGINT request a stop; a second one aborts.
+        `stop`, polled by this thread about every 0.2 s, returns why to stop (e.g. "SIGTERM") or None: a reason
+        stops the run at the next step boundary. A KeyboardInterrupt here aborts every thread (PipelineError).
         """
         if self._max_steps == self._start_step:
             return RunResult(self._start_step, stopped=False)
@@ -446,61 +446,47 @@ class Pipeline:
         ]
         for thread in threads:
             thread.daemon = True  # a thread stuck inside a device call must not keep the process alive
-        with ExitStack() as stack:
-            if handle_signals and threading.current_thread() is threading.main_thread():
-                stack.enter_context(self._signals_request_stop())
+        try:
             for thread in threads:
                 thread.start()
-            self._supervise(threads)
+        except KeyboardInterrupt as interrupt:
+            self._fail(threading.current_thread().name, interrupt)
+        self._supervise(threads, stop)
         if self._error is not None:
             thread, error = self._error
             raise PipelineError(thread, error, [t.name for t in threads if t.is_alive()])
-        return RunResult(
-            self._steps_done,
-            stopped=self._stop_requested and self._steps_done < self._max_steps,
-            stop_signal=self._signals[0] if self._signals else None,
-        )
+        return RunResult(self._steps_done, stopped=self._stop_requested and self._steps_done < self._max_steps)
 
-    @contextmanager
-    def _signals_request_stop(self):
-        def note_signal(signum, frame):
-            # Only note it here: the supervisor loop acts on it (a handler must not take locks).
-            self._signals.append(signum)
-
-        previous = {sig: signal.signal(sig, note_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-    def _supervise(self, threads: list[threading.Thread]) -> None:
+    def _supervise(self, threads: list[threading.Thread], stop: Callable[[], str | None] | None) -> None:
+        """Until every thread has ended (after an abort, at most abort_grace_s more): act on `stop`, on a
+        KeyboardInterrupt, and on a stall."""
         last_progress, last_change = self._progress, time.monotonic()
         aborted_at = None
-        seen_signals = 0
-        while any(t.is_alive() for t in threads):
-            next(t for t in threads if t.is_alive()).join(0.2)
-            if len(self._signals) != seen_signals:
-                seen_signals = len(self._signals)
-                if seen_signals == 1:
-                    name = signal.Signals(self._signals[0]).name
-                    message = f"pipeline: {name}: stopping at the next step boundary"
-                    print(message, file=sys.stderr, flush=True)
-                    self.request_stop()
-                else:
-                    second = KeyboardInterrupt("a second stop signal: aborting without a checkpoint")
-                    self._fail("signal", second)
-            now = time.monotonic()
-            if self._progress != last_progress:
-                last_progress, last_change = self._progress, now
-            elif not self._steady:
-                last_change = now
-            elif self._error is None and now - last_change > self.config.stall_timeout_s:
-                self._fail("watchdog", PipelineStalled(self._stall_message(threads)))
-            if self._error is not None:
-                aborted_at = aborted_at or now
-                if now - aborted_at > self.config.abort_grace_s:
+        while True:
+            # A KeyboardInterrupt may land on any line of this loop: it aborts, and supervising goes on, so
+            # that `run` never returns while threads still work.
+            try:
+                alive = [t for t in threads if t.is_alive()]
+                if not alive:
                     return
+                alive[0].join(0.2)
+                reason = stop() if stop is not None and not self._stop_requested else None
+                if reason is not None:
+                    print(f"pipeline: {reason}: stopping at the next step boundary", file=sys.stderr, flush=True)
+                    self.request_stop()
+                now = time.monotonic()
+                if self._progress != last_progress:
+                    last_progress, last_change = self._progress, now
+                elif not self._steady:
+                    last_change = now
+                elif self._error is None and now - last_change > self.config.stall_timeout_s:
+                    self._fail("watchdog", PipelineStalled(self._stall_message(threads)))
+                if self._error is not None:
+                    aborted_at = aborted_at or now
+                    if now - aborted_at > self.config.abort_grace_s:
+                        return
+            except KeyboardInterrupt as interrupt:
+                self._fail(threading.current_thread().name, interrupt)
 
     def _stall_message(self, threads: list[threading.Thread]) -> str:
         frames = sys._current_frames()

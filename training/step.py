@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from training.attention import build_mask
+from training.attention import FlexAttention, build_mask
 from training.data import Batch
 from training.loss import block_targets, dflash_loss
 from training.model import Drafter
@@ -44,10 +44,11 @@ def target_stage(target: Target, batch: Batch, drafter_device: torch.device | st
 
 
 def drafter_stage(drafter: Drafter, features: torch.Tensor, batch: Batch, backend: str, gamma: float,
-                  chunk_size: int, dtype: torch.dtype) -> DrafterOutput:
-    """Forward pass and loss; `batch` must already be on the drafter's device."""
+                  chunk_size: int, dtype: torch.dtype, flex_attention: FlexAttention | None = None) -> DrafterOutput:
+    """Forward pass and loss; `batch` must already be on the drafter's device. The flex backend calls
+    `flex_attention` (see training/attention.py)."""
     block = drafter.config.block_size
-    mask = build_mask(backend, batch.anchors, batch.block_valid, batch.input_ids.shape[1], block)
+    mask = build_mask(backend, batch.anchors, batch.block_valid, batch.input_ids.shape[1], block, flex_attention)
     labels, weights = block_targets(batch.input_ids, batch.loss_mask, batch.anchors, batch.block_valid, block, gamma)
     with autocast(features.device, dtype):
         anchor_tokens = batch.input_ids.gather(1, batch.anchors)

@@ -5,7 +5,8 @@
 One process: a target thread per `target_devices` entry, a drafter thread (one drafter replica) per
 `drafter_devices` entry; a one-device run is one of each on the same device. A bad configuration prints one
 line and exits 2. SIGTERM (and Ctrl-C) stop at a step boundary, save a checkpoint and exit (0 for SIGTERM, 130
-for Ctrl-C); a second one aborts at once. A failing thread stops them all: its traceback, then exit 1.
+for Ctrl-C); a second one aborts at once (130, no checkpoint). A failing thread stops them all: its traceback,
+then exit 1. `main` alone turns how the run ended into the exit code.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from training.attention import build_mask, resolve_backend, use_shared_flex_attention
+from training.attention import FlexAttention, resolve_backend
 from training.checkpoint import (
     check_checkpoint,
     checkpoints_dir,
@@ -37,15 +39,19 @@ from training.config import ConfigError, TrainConfig, load_config, parse_devices
 from training.data import Batch, BatchStream, DataError, eval_prompts, load_conversations, prepare_sequences
 from training.evaluate import acceptance_length, build_eval_set
 from training.export import export_run
+from training.mask import build_block_mask
 from training.metrics import MetricsLog, metrics_path, say
 from training.model import Drafter, DrafterConfig
-from training.pipeline import Pipeline, PipelineConfig, PipelineError, StepReport
+from training.pipeline import Pipeline, PipelineConfig, PipelineError, RunResult, StepReport, Utilisation
 from training.step import compute_dtype, drafter_stage
 from training.target import Target
 
 
 class StopRequest:
-    """While active, SIGTERM/SIGINT become a flag the loop checks between steps; a second signal acts at once."""
+    """The process's one signal path: while active, the first SIGTERM/SIGINT asks the run to stop at the next
+    safe point (before training, or a step boundary: the pipeline polls `reason`); a second one raises
+    KeyboardInterrupt at once, which aborts without a checkpoint. The handler only records or raises: it may
+    run between any two bytecodes of the main thread, so it takes no lock and writes nothing."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -62,16 +68,18 @@ class StopRequest:
             signal.signal(signum, handler)
 
     def _handle(self, signum, frame) -> None:
+        if self.signal is not None:
+            raise KeyboardInterrupt(f"a second stop signal ({signal.Signals(signum).name}): aborting without a "
+                                    "checkpoint")
         self.signal = signum
-        signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
-        say(f"received {signal.Signals(signum).name}: stopping after this step")
 
     @property
     def requested(self) -> bool:
         return self.signal is not None
 
-    def exit_code(self) -> int:
-        return 130 if self.signal == signal.SIGINT else 0
+    def reason(self) -> str | None:
+        """The first signal's name, or None while none came."""
+        return None if self.signal is None else signal.Signals(self.signal).name
 
 
 def cosine_schedule(optimizer: torch.optim.Optimizer, max_steps: int, warmup_ratio: float):
@@ -114,12 +122,15 @@ class TargetReplica:
 
 
 class DrafterReplica:
-    """The pipeline's drafter stage on one device: a drafter replica with its optimizer and LR schedule."""
+    """The pipeline's drafter stage on one device: a drafter replica with its optimizer and LR schedule.
+
+    `flex_attention` is what its drafter calls with the flex backend (None with SDPA): the trainer's
+    SharedFlexAttention, which `warm_up` compiles on this device before steady state."""
 
     def __init__(self, drafter: Drafter, config: TrainConfig, backend: str, dtype: torch.dtype,
-                 shared_flex: SharedFlexAttention | None = None):
+                 flex_attention: FlexAttention | None = None):
         self.drafter, self.config, self.backend, self.dtype = drafter, config, backend, dtype
-        self.shared_flex = shared_flex
+        self.flex_attention = flex_attention
         self.params = [p for p in drafter.parameters() if p.requires_grad]
         self.device = self.params[0].device
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=(0.9, 0.95),
@@ -132,7 +143,7 @@ class DrafterReplica:
 
     def loss(self, features: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         output = drafter_stage(self.drafter, features, batch, self.backend, self.config.gamma,
-                               self.config.loss_chunk_size, self.dtype)
+                               self.config.loss_chunk_size, self.dtype, self.flex_attention)
         return output.loss, {"accuracy": output.accuracy}
 
     def optimizer_step(self) -> None:
@@ -142,8 +153,8 @@ class DrafterReplica:
 
     def warm_up(self) -> None:
         """Compile the shared flex_attention for every length bucket on this device (then meet the others)."""
-        if self.shared_flex is not None:
-            self.shared_flex.warm_up(self.device, self._warm_up_mask, projected_qkv)
+        if isinstance(self.flex_attention, SharedFlexAttention):
+            self.flex_attention.warm_up(self.device, self._warm_up_mask, projected_qkv)
 
     def _warm_up_mask(self, shape: AttentionShape, device: torch.device):
         """A training-like block mask for a warm-up shape: anchors spread over the context, all valid."""
@@ -152,12 +163,12 @@ class DrafterReplica:
         anchors = torch.linspace(1, context - block, shape.q_len // block, device=device).long()
         anchors = anchors.expand(shape.batch, -1).contiguous()
         valid = torch.ones_like(anchors, dtype=torch.bool)
-        return build_mask("flex", anchors, valid, context, block).block_mask
+        return build_block_mask(anchors, valid, context, block)
 
 
 def shared_flex_attention(config: TrainConfig, drafter_config: DrafterConfig, devices: list[torch.device],
                           dtype: torch.dtype) -> SharedFlexAttention:
-    """The run's one compiled flex_attention: drafter devices x length buckets, training mode (DESIGN §6)."""
+    """The run's one compiled flex_attention: drafter devices x length buckets, training mode (ARCHITECTURE §6)."""
     q_len = config.num_anchors * config.block_size
     c = drafter_config
     rows = config.micro_batch_rows()
@@ -214,142 +225,209 @@ def prepare_output_dir(config: TrainConfig, resume: bool) -> None:
     metrics_path(config.output_dir).unlink(missing_ok=True)
 
 
-def train(config: TrainConfig, resume: bool = False, stop: StopRequest | None = None) -> int:
-    # Devices and numerics.
-    target_devices, drafter_devices, backend = pick_devices(config)
-    dtype = compute_dtype(config.dtype, drafter_devices[0])
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
-    prepare_output_dir(config, resume)
-    stop = stop or StopRequest()  # never entered: no signal handling when called as a library
-
-    # The frozen target, one replica per target thread (loaded one at a time), and the data it is read with.
+def load_targets(config: TrainConfig, devices: list[torch.device], dtype: torch.dtype) -> list[Target]:
+    """The frozen target, one replica per target thread, loaded one at a time in this thread."""
     if config.build_tiny:
         from training.tiny import ensure_tiny
 
         ensure_tiny(config.target_path, config.data_path, config.eval_data_path, config.seed)
     if not (Path(config.target_path).expanduser() / "config.json").is_file():
         raise ConfigError(f"target_path {config.target_path} is not a model directory (no config.json)")
-    targets = [Target.load(config.target_path, device, dtype, config.target_layers or None)
-               for device in target_devices]
-    target = targets[0]
-    tokenizer = target.tokenizer
+    return [Target.load(config.target_path, device, dtype, config.target_layers or None) for device in devices]
+
+
+def load_data(config: TrainConfig, tokenizer) -> tuple[BatchStream, list[list[dict]]]:
+    """The training micro-batches, and the held-out conversations evaluation drafts on (eval_data_path, else
+    the tail of the training data)."""
     conversations = load_conversations(config.data_path)
     if config.eval_data_path:
         held_out = load_conversations(config.eval_data_path)[: config.eval_prompts]
-    else:  # hold out the tail of the training data
+    else:
         cut = max(len(conversations) - config.eval_prompts, 0)
         conversations, held_out = conversations[:cut], conversations[cut:]
     sequences = prepare_sequences(tokenizer, conversations, config.max_length, config.block_size)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     stream = BatchStream(sequences, config.micro_batch_rows(), config.buckets(), config.block_size,
                          config.num_anchors, pad_id, config.seed)
-    say(f"target {config.target_path} on {', '.join(map(str, target_devices))} (layers {target.layers}); "
-        f"{len(sequences)} training sequences; attention {backend}, {dtype}")
+    return stream, held_out
 
-    # The drafter replicas (identical), each with its optimizer and schedule.
+
+def build_drafters(config: TrainConfig, target: Target, devices: list[torch.device]) -> list[Drafter]:
+    """Identical drafter replicas, one per drafter device, on the target's frozen embedding and LM head."""
     drafter_config = DrafterConfig.from_target(target.config, config.num_draft_layers, config.block_size,
                                                target.layers, target.mask_token_id)
-    embedding = target.model.get_input_embeddings().weight.to(drafter_devices[0])
-    lm_head = target.model.get_output_embeddings().weight.to(drafter_devices[0])
+    embedding = target.model.get_input_embeddings().weight.to(devices[0])
+    lm_head = target.model.get_output_embeddings().weight.to(devices[0])
     torch.manual_seed(config.seed)  # here, so that building the tiny world first changes nothing
     # Initialised in place: a 1 B-parameter drafter is slow to init on a CPU.
-    with torch.device(drafter_devices[0]):
+    with torch.device(devices[0]):
         drafter = Drafter(drafter_config, embedding, lm_head)
-    drafters = [drafter] + [copy.deepcopy(drafter).to(device) for device in drafter_devices[1:]]
+    return [drafter] + [copy.deepcopy(drafter).to(device) for device in devices[1:]]
+
+
+def restore_latest_checkpoint(config: TrainConfig, replicas: list[DrafterReplica], stream: BatchStream) -> int:
+    """The step to go on from: the latest checkpoint's, loaded into every replica and the data stream; 0
+    when there is none."""
+    checkpoint = latest_checkpoint(config.output_dir)
+    if checkpoint is None:
+        say(f"no checkpoint in {checkpoints_dir(config.output_dir)}: starting at step 0")
+        return 0
+    for replica in replicas:
+        restored = load_checkpoint(checkpoint, replica.drafter, replica.optimizer, replica.scheduler)
+    stream.load_state_dict(restored["data"])
+    say(f"resumed from {checkpoint} at step {restored['step']}")
+    return restored["step"]
+
+
+class StepLog:
+    """The run's numbers. Built once; `start` before the first step, `after_step` after every step (in the
+    leader drafter thread): loss, accuracy and tokens add up over a window, and every `log_every`-th step (and
+    the last) writes one metrics record, the JSON line and the progress line; every `eval_every`-th step (and
+    the last) adds the acceptance length τ on the held-out prompts."""
+
+    def __init__(self, config: TrainConfig, leader: DrafterReplica, batches: StepBatches, target: Target,
+                 held_out: list[list[dict]]):
+        self.config, self.leader, self.batches = config, leader, batches
+        self.metrics = MetricsLog(metrics_path(config.output_dir), config.max_steps)
+        self.evalset = None
+        if config.eval_every and held_out:
+            prompts = eval_prompts(target.tokenizer, held_out)
+            self.evalset = build_eval_set(target, prompts, config.eval_new_tokens, leader.device)
+        self._open_window()
+
+    def start(self, step: int) -> None:
+        """On a fresh run, the untrained drafter's τ: the baseline every later one is compared with."""
+        if step == 0 and self.evalset is not None:
+            self.metrics.write(0, acceptance_length=self.evaluate())
+        self._open_window()
+
+    def after_step(self, report: StepReport, utilisation: Callable[[], Utilisation]) -> None:
+        """Count step `report.step`; `utilisation` (the pipeline's, since its previous call) is asked once a
+        window."""
+        done, last = report.step, report.step == self.config.max_steps
+        self._loss += report.loss
+        self._accuracy += report.metrics["accuracy"]
+        self._steps += 1
+        self._tokens += self.batches.pop_tokens(done - 1)
+        record = {}
+        if done % self.config.log_every == 0 or last:
+            record = self._close_window(report, utilisation())
+        if self.evalset is not None and (done % self.config.eval_every == 0 or last):
+            record["acceptance_length"] = self.evaluate()
+        if record:
+            self.metrics.write(done, **record)
+
+    def evaluate(self) -> float:
+        return acceptance_length(self.leader.drafter, self.evalset, self.leader.dtype)
+
+    def _open_window(self) -> None:
+        self._loss, self._accuracy, self._steps, self._tokens = 0.0, 0.0, 0, 0
+        self._start = time.time()
+
+    def _close_window(self, report: StepReport, utilisation: Utilisation) -> dict:
+        elapsed = time.time() - self._start
+        record = {"loss": self._loss / self._steps, "accuracy": self._accuracy / self._steps,
+                  "lr": self.leader.last_lr, "grad_norm": report.grad_norm,
+                  "tokens_per_s": self._tokens / max(elapsed, 1e-9), **utilisation.as_metrics()}
+        self._open_window()
+        return record
+
+
+class CheckpointPolicy:
+    """When the run goes to disk. Built once; `after_step` after every step (in the leader drafter thread)
+    saves every `save_every`-th step and the last; `close` at the end saves the final step unless it is saved
+    already (a stop). A checkpoint holds the leader replica (the replicas are identical) and the data
+    position of its own step."""
+
+    def __init__(self, config: TrainConfig, leader: DrafterReplica, batches: StepBatches, step: int):
+        self.config, self.leader, self.batches = config, leader, batches
+        self.saved_step = step  # where the run starts is on disk already (or step 0: nothing to keep)
+
+    def after_step(self, step: int) -> None:
+        if step % self.config.save_every == 0 or step == self.config.max_steps:
+            self.save(step)
+
+    def close(self, step: int) -> None:
+        if step != self.saved_step:
+            self.save(step)
+
+    def save(self, step: int) -> None:
+        leader = self.leader
+        save_checkpoint(self.config.output_dir, step, leader.drafter, leader.optimizer, leader.scheduler,
+                        self.batches.state_before(step), self.config.to_dict(), self.config.keep_checkpoints)
+        self.saved_step = step
+
+
+def say_compile_counters(attention: SharedFlexAttention) -> None:
+    """The proof of the compile discipline, in the run's log (ARCHITECTURE §6; bench/cold_launches.py reads it)."""
+    stats = attention.stats()
+    say(f"compiled flex_attention: {stats.compiled_calls} calls, {stats.compiles_after_warmup} compiles "
+        f"after warm-up, {stats.eager_runs} eager runs, {stats.fx_traces_after_warmup} FX traces after "
+        f"warm-up, FX tracing flag {stats.fx_tracing_flag}")
+
+
+def train(config: TrainConfig, resume: bool = False, stop: StopRequest | None = None) -> RunResult:
+    """Train to config.max_steps, or until `stop` asks; returns the steps done and whether it stopped early."""
+    stop = stop or StopRequest()  # never entered: no signal handling when called as a library
+
+    # The world: devices, the frozen target (a replica per target thread) and its data, the drafter replicas.
+    target_devices, drafter_devices, backend = pick_devices(config)
+    dtype = compute_dtype(config.dtype, drafter_devices[0])
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    prepare_output_dir(config, resume)
+    targets = load_targets(config, target_devices, dtype)
+    stream, held_out = load_data(config, targets[0].tokenizer)
+    say(f"target {config.target_path} on {', '.join(map(str, target_devices))} (layers {targets[0].layers}); "
+        f"{len(stream.sequences)} training sequences; attention {backend}, {dtype}")
+    drafters = build_drafters(config, targets[0], drafter_devices)
     shared_flex = None
     if backend == "flex":
-        shared_flex = shared_flex_attention(config, drafter_config, drafter_devices, dtype)
+        shared_flex = shared_flex_attention(config, drafters[0].config, drafter_devices, dtype)
     replicas = [DrafterReplica(d, config, backend, dtype, shared_flex) for d in drafters]
-    say(f"drafter: {config.num_draft_layers} layers, {drafter.num_trainable() / 1e6:.2f} M trainable "
+    say(f"drafter: {config.num_draft_layers} layers, {drafters[0].num_trainable() / 1e6:.2f} M trainable "
         f"parameters, replicas on {', '.join(map(str, drafter_devices))}; a step is "
         f"{config.micro_batches_per_step()} micro-batches of {config.micro_batch_rows()} sequences")
 
-    step = 0
-    checkpoint = latest_checkpoint(config.output_dir) if resume else None
-    if checkpoint is not None:
-        for replica in replicas:
-            restored = load_checkpoint(checkpoint, replica.drafter, replica.optimizer, replica.scheduler)
-        step = restored["step"]
-        stream.load_state_dict(restored["data"])
-        say(f"resumed from {checkpoint} at step {step}")
-    elif resume:
-        say(f"no checkpoint in {checkpoints_dir(config.output_dir)}: starting at step 0")
+    # Resume.
+    step = restore_latest_checkpoint(config, replicas, stream) if resume else 0
 
-    metrics = MetricsLog(metrics_path(config.output_dir), config.max_steps)
-    evalset = None
-    if config.eval_every and held_out:
-        prompts = eval_prompts(tokenizer, held_out)
-        evalset = build_eval_set(target, prompts, config.eval_new_tokens, drafter_devices[0])
-        if step == 0:  # the untrained drafter's tau: the baseline every later one is compared with
-            metrics.write(0, acceptance_length=acceptance_length(drafter, evalset, dtype))
-
+    # Built once, called after every step, closed at the end.
     batches = StepBatches(stream, config.micro_batches_per_step(), step)
-    saved_step = step
+    step_log = StepLog(config, replicas[0], batches, targets[0], held_out)
+    step_log.start(step)
+    checkpoints = CheckpointPolicy(config, replicas[0], batches, step)
 
-    def save(at_step: int) -> None:
-        nonlocal saved_step
-        save_checkpoint(config.output_dir, at_step, drafter, replicas[0].optimizer, replicas[0].scheduler,
-                        batches.state_before(at_step), config.to_dict(), config.keep_checkpoints)
-        saved_step = at_step
+    # The loop: the pipeline's threads run the steps; after each one the leader drafter thread calls this.
+    def after_step(report: StepReport) -> None:
+        step_log.after_step(report, pipeline.utilisation)
+        checkpoints.after_step(report.step)
 
-    # Every step, in the leader drafter thread once its replica has stepped: metrics, evaluation, checkpoints.
-    window = {"loss": 0.0, "accuracy": 0.0, "steps": 0, "tokens": 0, "start": time.time()}
-
-    def on_step(report: StepReport) -> None:
-        done = report.step
-        window["loss"] += report.loss
-        window["accuracy"] += report.metrics["accuracy"]
-        window["steps"] += 1
-        window["tokens"] += batches.pop_tokens(done - 1)
-        last = done == config.max_steps
-        record = {}
-        if done % config.log_every == 0 or last:
-            elapsed = time.time() - window["start"]
-            steps = window["steps"]
-            record = {"loss": window["loss"] / steps, "accuracy": window["accuracy"] / steps,
-                      "lr": replicas[0].last_lr, "grad_norm": report.grad_norm,
-                      "tokens_per_s": window["tokens"] / max(elapsed, 1e-9),
-                      **pipeline.utilisation().as_metrics()}
-            window.update(loss=0.0, accuracy=0.0, steps=0, tokens=0, start=time.time())
-        if evalset is not None and (done % config.eval_every == 0 or last):
-            record["acceptance_length"] = acceptance_length(drafter, evalset, dtype)
-        if record:
-            metrics.write(done, **record)
-        if done % config.save_every == 0 or last:
-            save(done)
-
-    if stop.requested:  # a signal while loading: nothing trained, nothing to save
-        say(f"stopped at step {step} before training")
-        return stop.exit_code()
     pipeline = Pipeline(
         PipelineConfig(target_devices, drafter_devices, config.micro_batches_per_step(), config.queue_depth,
                        config.grad_clip),
         [TargetReplica(t) for t in targets], replicas, batches, start_step=step, max_steps=config.max_steps,
-        on_step=on_step,
+        on_step=after_step,
     )
-    if shared_flex is not None:
-        use_shared_flex_attention(shared_flex)
     try:
-        result = pipeline.run()
+        if stop.requested:  # a signal while loading: nothing trained, nothing to save
+            say(f"{stop.reason()}: stopped at step {step} before training")
+            return RunResult(step, stopped=True)
+        result = pipeline.run(stop=stop.reason)
     finally:
         if shared_flex is not None:
-            use_shared_flex_attention(None)
             shared_flex.close()
-    step = result.steps_done
+
+    # Finish.
     if shared_flex is not None:
-        stats = shared_flex.stats()
-        say(f"compiled flex_attention: {stats.compiled_calls} calls, {stats.compiles_after_warmup} compiles "
-            f"after warm-up, {stats.eager_runs} eager runs, {stats.fx_traces_after_warmup} FX traces after "
-            f"warm-up, FX tracing flag {stats.fx_tracing_flag}")
+        say_compile_counters(shared_flex)
+    checkpoints.close(result.steps_done)
     if result.stopped:
-        if step != saved_step:
-            save(step)
-        say(f"stopped at step {step}; checkpoint saved in {checkpoints_dir(config.output_dir)}")
-        return 130 if result.stop_signal == signal.SIGINT else 0
-    export_run(config.output_dir)
-    say(f"done: {step} steps")
-    return 0
+        say(f"stopped at step {result.steps_done}; checkpoint saved in {checkpoints_dir(config.output_dir)}")
+    else:
+        export_run(config.output_dir)
+        say(f"done: {result.steps_done} steps")
+    return result
 
 
 class _Parser(argparse.ArgumentParser):
@@ -367,6 +445,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The process: train, then the exit code, decided here and nowhere else: 0 done or stopped by SIGTERM,
+    130 stopped by Ctrl-C or aborted by a second signal, 2 a bad configuration or data, 1 a failed thread."""
     args = parse_args(argv)
     try:
         config = load_config(args.config, args.set)
@@ -374,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
 
         hf_logging.disable_progress_bar()  # progress bars would fill the run's log file with carriage returns
         with StopRequest() as stop:
-            return train(config, resume=args.resume, stop=stop)
+            result = train(config, resume=args.resume, stop=stop)
     except (ConfigError, DataError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -385,6 +465,10 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()
             os._exit(1)
         return 130 if isinstance(err.error, KeyboardInterrupt) else 1
+    except KeyboardInterrupt as interrupt:  # a second signal outside the pipeline (loading, saving)
+        print(f"error: {interrupt or 'interrupted'}", file=sys.stderr, flush=True)
+        return 130
+    return 130 if result.stopped and stop.signal == signal.SIGINT else 0
 
 
 if __name__ == "__main__":

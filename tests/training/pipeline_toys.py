@@ -1,7 +1,8 @@
 """Toy pipeline stages for the pipeline tests: a frozen linear "target" and a small MLP "drafter".
 
 Also a command line (`python tests/training/pipeline_toys.py ...`) that runs the pipeline the way the
-trainer's entry point does, so tests can check exit codes and signal handling in a real process.
+trainer's entry point does (its StopRequest polled by the pipeline), so tests can check exit codes and signal
+handling in a real process.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from training.pipeline import Pipeline, PipelineConfig, PipelineError
+from training.train import StopRequest
 
 IN, FEATURES, OUT = 6, 12, 3
 
@@ -124,13 +126,14 @@ def main(argv: list[str] | None = None) -> int:
         on_step=on_step,
     )
     try:
-        result = pipeline.run()
+        with StopRequest() as stop:
+            result = pipeline.run(stop=stop.reason)
     except PipelineError as error:
         print(error.traceback_text, file=sys.stderr)
         print(f"error: {error}", file=sys.stderr)
-        return 1
+        return 130 if isinstance(error.error, KeyboardInterrupt) else 1
     args.checkpoint.write_text(json.dumps({"steps_done": result.steps_done, "stopped": result.stopped,
-                                                "signal": result.stop_signal}))
+                                                "signal": stop.signal}))
     print(f"saved checkpoint at step {result.steps_done}", flush=True)
     return 0
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from training.attention import attend, build_mask
+from training.attention import attend, build_mask, compile_flex_attention
 from training.mask import dense_mask
 
 
@@ -56,7 +56,7 @@ def test_compiled_flex_forward_equals_sdpa_on_cpu():
     """The flex path (compiled flex_attention with the block mask) against the dense-mask SDPA path."""
     q, k, v, anchors, block_valid, context_len, block = make_case(2)
     with torch.no_grad():
-        flex = attend(q, k, v, build_mask("flex", anchors, block_valid, context_len, block))
+        flex = attend(q, k, v, build_mask("flex", anchors, block_valid, context_len, block, compile_flex_attention()))
         sdpa = attend(q, k, v, build_mask("sdpa", anchors, block_valid, context_len, block))
     assert not flex.isnan().any()
     torch.testing.assert_close(flex, sdpa, atol=1e-5, rtol=1e-4)
@@ -69,10 +69,10 @@ def test_flex_forward_and_backward_equal_sdpa_on_gpu(context_len, num_blocks):
                      context_len=context_len, num_blocks=num_blocks, block=16)
     q, k, v, anchors, block_valid, context_len, block = case
     probe = torch.randn(q.shape, device="cuda")
-    results = {}
+    results, flex_attention = {}, compile_flex_attention()
     for backend in ("flex", "sdpa"):
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        out = attend(*leaves, build_mask(backend, anchors, block_valid, context_len, block))
+        out = attend(*leaves, build_mask(backend, anchors, block_valid, context_len, block, flex_attention))
         (out.float() * probe).sum().backward()
         results[backend] = [out.float()] + [t.grad.float() for t in leaves]
     for flex, sdpa in zip(results["flex"], results["sdpa"]):

@@ -64,7 +64,8 @@ def test_the_benchmarked_step_is_the_trainers_drafter_stage(small_bench):
     b = small_bench
     mask = b.build_mask()
     loss = b.forward_loss(dflash_loss, 64, mask)
-    expected = drafter_stage(b.drafter, b.features, b.batch, b.backend, drafter_bench.GAMMA, 64, b.dtype).loss
+    expected = drafter_stage(b.drafter, b.features, b.batch, b.backend, drafter_bench.GAMMA, 64, b.dtype,
+                             b.flex_attention).loss
     assert torch.equal(loss, expected)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _thread
 import json
 import os
 import shutil
@@ -257,7 +258,35 @@ def test_requested_stop_ends_at_a_step_boundary_without_a_partial_step():
     assert_replicas_identical(pipeline)
 
 
-def run_toy_cli(tmp_path, *args, signal_after_step=None):
+def test_a_reason_from_the_polled_stop_ends_the_run_at_a_step_boundary(capsys):
+    reasons = []
+
+    def ask_at_third(report):
+        if report.step == 3:
+            reasons.append("TEST")
+
+    pipeline = build([CPU], [CPU], 2, 1000, on_step=ask_at_third, drafter_options={"delay_s": 0.005})
+    result = pipeline.run(stop=lambda: reasons[0] if reasons else None)
+    assert result.stopped and 3 <= result.steps_done < 1000
+    assert "pipeline: TEST: stopping at the next step boundary" in capsys.readouterr().err
+
+
+def test_a_keyboard_interrupt_while_running_aborts_every_thread():
+    """Ctrl-C (or the trainer's second stop signal) lands in the thread running the pipeline: no thread may
+    go on working once `run` has raised."""
+
+    def interrupt_at_second(report):
+        if report.step == 2:
+            _thread.interrupt_main()  # a KeyboardInterrupt in the main thread, as from SIGINT
+
+    pipeline = build([CPU] * 2, [CPU] * 2, 2, 1000, on_step=interrupt_at_second, drafter_options={"delay_s": 0.005})
+    with pytest.raises(PipelineError, match="KeyboardInterrupt") as caught:
+        pipeline.run()
+    assert isinstance(caught.value.error, KeyboardInterrupt) and caught.value.still_running == []
+    assert 2 <= pipeline._steps_done < 1000
+
+
+def run_toy_cli(tmp_path, *args, signal_after_step=None, signals=1):
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests' / 'training'}"}
     command = [sys.executable, str(REPO / "tests" / "training" / "pipeline_toys.py"),
                "--checkpoint", str(tmp_path / "ckpt.json"), *args]
@@ -265,7 +294,9 @@ def run_toy_cli(tmp_path, *args, signal_after_step=None):
     if signal_after_step is not None:
         for line in process.stdout:
             if line.startswith(f"step {signal_after_step} "):
-                process.send_signal(signal.SIGTERM)
+                for _ in range(signals):
+                    process.send_signal(signal.SIGTERM)
+                    time.sleep(0.2)
                 break
     stdout, stderr = process.communicate(timeout=120)
     return process.returncode, stdout, stderr
@@ -285,6 +316,15 @@ def test_cli_sigterm_finishes_cleanly_with_a_checkpoint(tmp_path):
     saved = json.loads((tmp_path / "ckpt.json").read_text())
     assert saved["stopped"] and 2 <= saved["steps_done"] < 1000 and saved["signal"] == signal.SIGTERM
     assert f"saved checkpoint at step {saved['steps_done']}" in stdout
+
+
+def test_cli_second_sigterm_aborts_without_a_checkpoint(tmp_path):
+    # A step takes about 2 s here: the second signal comes while the first one's step is still running.
+    code, _, stderr = run_toy_cli(tmp_path, "--drafter-delay", "1.0", signal_after_step=1, signals=2)
+    assert code == 130, stderr
+    assert "pipeline: SIGTERM: stopping at the next step boundary" in stderr
+    assert "KeyboardInterrupt: a second stop signal (SIGTERM): aborting without a checkpoint" in stderr
+    assert not (tmp_path / "ckpt.json").exists()
 
 
 # The real trainer through the pipeline (tiny preset, CPU threads).
