@@ -19,7 +19,8 @@ into <output_dir>/export/ when it ends with exit 0. Behaviour comes from `--set 
 Called as `fake-trainer -m training.export RUN_OR_CHECKPOINT_DIR OUT_DIR [--dtype D] [--force]` it stands in
 for the real exporter's interface: the newest complete checkpoint of a run's output_dir (or the checkpoint
 given) into OUT_DIR (config.json naming the checkpoint, model.safetensors = its drafter.safetensors), built
-beside OUT_DIR and renamed into place; a non-empty OUT_DIR without --force, or nothing to export: one line, 2.
+beside OUT_DIR and renamed into place; a non-empty OUT_DIR without --force, or nothing to export: one line, 2;
+a failed write: one line, 1.
 """
 
 from __future__ import annotations
@@ -107,7 +108,11 @@ def export_main(argv: list[str]) -> int:
     if out.is_dir() and any(out.iterdir()) and not force:
         print(f"error: {out} is not empty (pass --force to replace it)", file=sys.stderr)
         return 2
-    export(source, out)
+    try:
+        export(source, out)
+    except OSError as err:
+        print(f"error: writing {out}: {err}", file=sys.stderr)
+        return 1
     print(f"exported {newest_checkpoint(source)} to {out}")
     return 0
 
