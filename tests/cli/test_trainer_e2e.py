@@ -69,3 +69,32 @@ def test_launch_resume_continues_from_the_checkpoint(gpuctl, tmp_path):
     image = tmp_path / "resumed.png"
     plotted = gpuctl("plot", "-o", str(image))
     assert plotted.code == 0 and "12 points of tl2" in plotted.stderr  # the whole chain: tl1's steps, tl2's
+
+
+def test_pull_exports_a_killed_run_on_demand(gpuctl, tmp_path):
+    """The tiny preset killed after a checkpoint has no export of its own: `gpuctl pull` makes one in the container
+    (the run's interpreter, the staged training.export) and brings config.json and model.safetensors. Enabled
+    once training/export.py exists (issue 11's trainer half)."""
+    pytest.importorskip("training.export")
+    launched = gpuctl("launch", "--config", "tiny", "--set", "max_steps=100000", "--set", "eval_every=0",
+                      "--set", "log_every=2", "--json")
+    assert launched.code == 0, launched.stderr
+
+    @retry(stop=stop_after_delay(120), wait=wait_fixed(0.5), reraise=True)
+    def training() -> None:
+        progress = gpuctl.status()["progress"]
+        assert progress and progress["step"] >= 4
+
+    training()
+    assert gpuctl("kill", "--grace", "60").code == 0
+    assert not gpuctl.path("/workspace/runs/tiny/export").exists()
+
+    dest = tmp_path / "drafter"
+    pulled = gpuctl("pull", str(dest), "--json", timeout=600)
+    assert pulled.code == 0, pulled.stderr[-3000:]
+    doc = pulled.json()
+    assert doc["export_made_from"].startswith("/workspace/runs/tiny/checkpoints/step_")
+    assert sorted(p.name for p in dest.iterdir()) == ["config.json", "model.safetensors"]
+    assert json.loads((dest / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+    made = gpuctl.path(doc["source"])
+    assert (dest / "model.safetensors").read_bytes() == (made / "model.safetensors").read_bytes()
