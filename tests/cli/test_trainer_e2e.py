@@ -10,7 +10,7 @@ from tenacity import retry, stop_after_delay, wait_fixed
 pytestmark = [pytest.mark.sshd, pytest.mark.e2e]
 
 
-def test_tiny_preset_end_to_end(gpuctl):
+def test_tiny_preset_end_to_end(gpuctl, tmp_path):
     result = gpuctl("launch", "--config", "tiny", "--follow", timeout=600)
     assert result.code == 0, result.stderr[-3000:]
     assert "started tl1" in result.stderr and "tl1 ended: succeeded, exit 0" in result.stderr
@@ -21,6 +21,10 @@ def test_tiny_preset_end_to_end(gpuctl):
     assert (doc["progress"]["step"], doc["progress"]["total_steps"]) == (60, 60)
     assert doc["progress"]["loss"] > 0
     assert gpuctl.path("/workspace/runs/tiny").is_dir()  # the trainer ran in --workdir
+    pulled = gpuctl("pull", str(tmp_path / "drafter"), "--json")  # the export the run wrote at its end
+    assert pulled.code == 0, pulled.stderr
+    assert (pulled.json()["source"], pulled.json()["export_made_from"]) == ("/workspace/runs/tiny/export", None)
+    assert sorted(p.name for p in (tmp_path / "drafter").iterdir()) == ["config.json", "model.safetensors"]
 
 
 def test_kill_lets_the_trainer_checkpoint_and_exit(gpuctl):
