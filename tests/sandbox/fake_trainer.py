@@ -151,9 +151,8 @@ def main(argv: list[str]) -> int:
         time.sleep(step_s)
         if terms:
             if done:
-                print(f"stopping at a step boundary: checkpoint {save_checkpoint(out, done, opts)}", flush=True)
-            else:
-                print("stopping at a step boundary", flush=True)
+                save_checkpoint(out, done, opts)
+            print("stopping at a step boundary", flush=True)
             return int(opts["term_exit"])
         loss = 10.0 / step
         print(f"step {step}/{steps} loss {loss:.4f}", flush=True)
