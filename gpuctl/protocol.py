@@ -69,6 +69,8 @@ class LaunchReply:
     """What launch.sh said: its report under the lock (up to LAUNCH_WAITING), or what it said after the answer."""
 
     holder: str | None = None  # who holds the launch lock (exit LOCKED)
+    python: str | None = None  # the interpreter the run will use (exit NO_PYTHON: the one not found)
+    python_from: str | None = None  # where that came from: "option" (--python), "recorded" (gpuctl setup's), "default"
     recovered: str | None = None  # the holder this launch took the lock over from (it overran its deadline)
     active: list[Run] = field(default_factory=list)  # the runs alive in the container (exit ACTIVE after go)
     manifest: dict[str, str] = field(default_factory=dict)  # the staged package's files: {name: sha256}
@@ -83,7 +85,7 @@ class LaunchReply:
                 numbers.append(int(value))
             elif name == "active_record":
                 records.append(json.loads(value or b"{}"))
-            elif name in ("holder", "recovered"):
+            elif name in ("holder", "recovered", "python", "python_from"):
                 found[name] = value.decode(errors="replace")
             elif name == "manifest":
                 found[name] = parse_manifest(value)

@@ -130,6 +130,9 @@ def _run_grid(run: Run, losses: list[float]) -> Table:
     grid.add_row("progress", progress_text(run))
     if spark := sparkline(losses):
         grid.add_row("loss", Text.assemble((spark, "cyan"), f"  {losses[0]:.4g} → {losses[-1]:.4g}"))
+    if run.task != "train":  # gpuctl setup's installation: no config
+        grid.add_row("task", f"{run.task} (venv {run.record.get('venv', '-')}, from {run.record.get('python', '-')})")
+        return grid
     config = str(run.record.get("config", "-"))
     if run.record.get("resumed_from"):
         config += f" (resumed tl{run.record['resumed_from']})"
@@ -218,12 +221,12 @@ def runs_table(runs: list[Run], ctid: int, host: str, as_json: bool) -> None:
         out.print(f"no runs in CT {ctid} yet")
         return
     table = Table(box=None, pad_edge=False)
-    for name in ("run", "state", "exit", "started", "duration", "log", "size"):
+    for name in ("run", "task", "state", "exit", "started", "duration", "log", "size"):
         table.add_column(name, header_style="bold", no_wrap=name != "log")
     for run in runs:
         exit_code = "-" if run.exit_code is None else str(run.exit_code)
-        table.add_row(run.run_id, state_text(run), exit_code, local_time(run.started_at), duration(run.elapsed_s),
-                      run.log_path or "-", size(run.log_size))
+        table.add_row(run.run_id, run.task, state_text(run), exit_code, local_time(run.started_at),
+                      duration(run.elapsed_s), run.log_path or "-", size(run.log_size))
     out.print(table)
 
 
@@ -241,6 +244,8 @@ def launch_result(result: LaunchResult, as_json: bool, to_stderr: bool, show_tai
             else "unchanged, nothing sent")
     out.print(Text(f"log: {run.log_path}   (package: {len(result.package.files)} files, "
                    f"{size(result.package.size)}; {sent})"))
+    if result.python_from == "recorded":
+        out.print(Text(f"python: {result.python} (made by gpuctl setup)"))
     if result.tail and show_tail:
         message(f"{run.run_id} ended during its start ({run.state.value}, exit {run.exit_code}); the log's end:")
         sys.stderr.write(result.tail.decode(errors="replace").rstrip("\n") + "\n")
