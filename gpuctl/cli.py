@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from gpuctl import __version__, commands, render, ssh
+from gpuctl import __version__, commands, doctor, render, ssh
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
 from gpuctl.runs import RUN_REF, State, parse_run_ref, parse_signal
 from gpuctl.target import TargetFlags, remember, resolve
@@ -250,6 +250,33 @@ def kill(
     with commands.connected(resolve(flags), stats) as ct:
         render.kill_result(commands.kill(ct, number, signal_name, grace, notify=render.message))
     return ExitCode.OK
+
+
+PythonOpt = Annotated[str | None, typer.Option(metavar="PATH", help="the interpreter to check [default: the one "
+                                             "gpuctl setup made, else python3]")]
+
+
+@app.command("doctor")
+@with_target
+def doctor_command(flags: TargetFlags, stats: ssh.Stats, python: PythonOpt = None, json_: JsonOpt = False) -> int:
+    """Check that the container can train: host, pct, container, the interpreter launch would use and its
+    packages, the GPUs against torch's, CUDA, free space and GPU memory, an active run. Exit 6 when a check
+    fails."""
+    if python is not None:
+        commands.check_python(python)
+    report = doctor.doctor(resolve(flags), stats, python)
+    render.doctor_report(report, as_json=json_)
+    if report.error:
+        raise GpuctlError(report.error, report.code)
+    _not_ready(report)
+    return ExitCode.OK
+
+
+def _not_ready(report: doctor.DoctorReport) -> None:
+    if report.failed:
+        names = ", ".join(c.name for c in report.failed)
+        raise GpuctlError(f"CT {report.ctid} is not ready to train: {names} failed (the fix is on each line)",
+                          ExitCode.ENV_NOT_READY)
 
 
 def _bare_resume(argv: list[str]) -> list[str]:

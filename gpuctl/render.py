@@ -19,10 +19,12 @@ from rich.table import Table
 from rich.text import Text
 
 from gpuctl.commands import KillResult, LaunchResult, StatusReport
+from gpuctl.doctor import DoctorReport
 from gpuctl.runs import Run, State
 
 SPARK = "▁▂▃▄▅▆▇█"
 PROGRESS_AFTER_S = 0.5  # a transfer shows a progress bar only once it has taken this long
+CHECK_STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red"}
 STATE_STYLE = {State.STARTING: "yellow", State.RUNNING: "green", State.SUCCEEDED: "bold green",
                State.FAILED: "bold red", State.KILLED: "magenta", State.LOST: "red"}
 
@@ -265,3 +267,21 @@ def kill_result(result: KillResult) -> None:
 
 def run_ended(run: Run) -> None:
     message(f"{run.run_id} ended: {run.state.value}, exit {run.exit_code}")
+
+
+def doctor_report(report: DoctorReport, as_json: bool, to_stderr: bool = False) -> None:
+    """A line per check: ok, warn or fail, the check, what was found, and for a problem the fix. When the checks
+    stopped at the host or the container (report.error), the caller's one error line says it all."""
+    if as_json:
+        json_doc(report.to_json())
+        return
+    if report.error:
+        return
+    out = _console(stderr=to_stderr)
+    width = max(len(c.name) for c in report.checks)
+    for check in report.checks:
+        line = Text.assemble((f"{check.status:<4}", CHECK_STYLE[check.status]), f"  {check.name:<{width}}  ",
+                             check.detail)
+        if check.fix:
+            line.append(f"; fix: {check.fix}", style="bold" if check.status == "fail" else "")
+        out.print(line, soft_wrap=True)
