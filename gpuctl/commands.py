@@ -230,9 +230,12 @@ def _package(config_file: Path | None, opts: LaunchOptions) -> Package:
     """The trainer (and local config), this launch's run.sh, and the wrapper."""
     run_sh = scripts.render("run.sh", stage_dir=STAGE_DIR, workdir=opts.workdir, python=opts.python,
                             config=opts.config, sets=opts.sets, resume=opts.resume is not None)
-    wrapper = scripts.render("wrapper.sh", records_dir=RECORDS_DIR)
-    return build_package(config_file).with_files([file_from_bytes("run.sh", run_sh.encode(), 0o755),
-                                                  file_from_bytes("gpuctl-wrapper.sh", wrapper.encode(), 0o755)])
+    return build_package(config_file).with_files([file_from_bytes("run.sh", run_sh.encode(), 0o755), wrapper_file()])
+
+
+def wrapper_file() -> PackageFile:
+    """gpuctl-wrapper.sh, which runs a detached task and records how it ended."""
+    return file_from_bytes("gpuctl-wrapper.sh", scripts.render("wrapper.sh", records_dir=RECORDS_DIR).encode(), 0o755)
 
 
 def _kept_config(package: Package, opts: LaunchOptions, remote: dict[str, str]) -> Package:

@@ -10,16 +10,38 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gpuctl import ssh
-from gpuctl.commands import Gpu, connected, parse_gpus
-from gpuctl.container import INTERPRETER_FILE, STAGE_DIR, Container
-from gpuctl.errors import ExitCode, GpuctlError
-from gpuctl.protocol import DoctorReply
-from gpuctl.requirements import Requirement, read_requirements, release, torch_index
+from gpuctl import scripts, ssh
+from gpuctl.commands import (
+    Gpu,
+    LaunchResult,
+    Notify,
+    Tracker,
+    check_python,
+    connected,
+    detached_values,
+    parse_gpus,
+    start_detached,
+    wrapper_file,
+)
+from gpuctl.container import INTERPRETER_FILE, RECORDS_DIR, STAGE_DIR, Container
+from gpuctl.errors import ExitCode, GpuctlError, usage_error
+from gpuctl.protocol import DoctorReply, LaunchReply
+from gpuctl.requirements import (
+    TORCH_CUDA_BUILDS,
+    TORCH_INDEX,
+    Requirement,
+    check_source,
+    pip_source_args,
+    read_requirements,
+    release,
+    torch_index,
+)
 from gpuctl.ssh import ConnectionLost
+from gpuctl.staging import Package, PackageFile, build_package, file_from_bytes
 from gpuctl.target import Target
 
 OK, WARN, FAIL = "ok", "warn", "fail"
@@ -291,3 +313,85 @@ def _compile_cache_check(cache: int | None) -> Check:
         return Check("compile_cache", WARN, detail, "rm -rf /tmp/torchinductor_root in the container, or launch")
     return Check("compile_cache", OK, detail)
 
+
+# setup ----------------------------------------------------------------------------------------------------
+
+DEFAULT_VENV = f"{STAGE_DIR}/venv"
+# The environment's directory: its interpreter's path is recorded as one line and read back by a plain pattern
+# (lib.sh's resolve_python), and pip's scripts need a shebang without spaces.
+VENV_PATH = re.compile(r"^/[A-Za-z0-9._+@/-]+$")
+SETUP_LOG_DIR = "/workspace"
+
+
+@dataclass
+class SetupOptions:
+    python: str | None = None  # the interpreter the environment is made from (None: python3)
+    venv: str = DEFAULT_VENV
+    torch: str | None = None  # a pip requirement for torch instead of the bundle's (and its CUDA choice)
+    index_urls: list[str] = field(default_factory=list)  # package sources; none: PyPI, torch from PyTorch's
+    system_site_packages: bool = False  # the environment sees the interpreter's packages (an image with torch)
+
+
+def check_setup_options(opts: SetupOptions) -> SetupOptions:
+    if opts.python is not None:
+        if not opts.python:
+            raise usage_error("--python must not be empty")
+        check_python(opts.python)
+    venv = opts.venv.rstrip("/") or opts.venv
+    if not VENV_PATH.match(venv) or ".." in venv.split("/") or venv == "/":
+        raise usage_error(f"--venv must be an absolute path in the container of letters, digits and ._+@/-, "
+                          f"got {opts.venv!r}")
+    if opts.torch is not None and (not opts.torch.strip() or any(ord(c) < 32 for c in opts.torch)):
+        raise usage_error(f"--torch takes a pip requirement such as 'torch==2.11.0', got {opts.torch!r}")
+    return replace(opts, venv=venv, index_urls=[check_source(u) for u in opts.index_urls])
+
+
+def _setup_values(target: Target, opts: SetupOptions) -> dict[str, Any]:
+    fields = {"venv": opts.venv, "torch": opts.torch, "index_urls": opts.index_urls,
+              "system_site_packages": opts.system_site_packages, "workdir": "/"}
+    return detached_values(target, "setup", fields, python=opts.python, use_recorded_python=False,
+                           log_dir=SETUP_LOG_DIR, workdir=SETUP_LOG_DIR, keep_compile_cache=True, replacing=False)
+
+
+def setup_script(opts: SetupOptions, python: str) -> str:
+    """setup.sh: what the detached setup runs in the container, with python the interpreter it starts from."""
+    required = read_requirements()
+    torch = next((r for r in required if r.key == "torch"), None)
+    return scripts.render(
+        "setup.sh", python=python, venv=opts.venv, system_site_packages=opts.system_site_packages,
+        min_python=".".join(map(str, MIN_PYTHON)), interpreter_file=INTERPRETER_FILE,
+        torch_spec=opts.torch or (torch.text if torch else ""), torch_given=opts.torch is not None,
+        requirements=[r.text for r in required if r is not torch], modules=[r.module for r in required],
+        source_args=pip_source_args(opts.index_urls),
+        torch_cuda_builds=[(".".join(map(str, version)), f"{TORCH_INDEX}/{tag}") for version, tag in
+                           TORCH_CUDA_BUILDS],
+        torch_cpu=f"{TORCH_INDEX}/cpu")
+
+
+def _setup_package(opts: SetupOptions, python: str, remote: dict[str, str]) -> Package:
+    """The trainer and setup.sh; the container's run.sh and configs stay as they are (a later --resume needs them)."""
+    package = build_package().with_files([file_from_bytes("setup.sh", setup_script(opts, python).encode(), 0o755),
+                                          wrapper_file()])
+    kept = [PackageFile(name, digest, None) for name, digest in remote.items()
+            if name not in package.files and (name == "run.sh" or name.startswith("configs/"))]
+    return package.with_files(kept)
+
+
+def plan_setup(target: Target, opts: SetupOptions) -> str:
+    """What `setup --dry-run` shows: the command, the launch script, and the setup script it would start."""
+    command = scripts.render("pct_exec", ctid=target.ct).strip()
+    launch = scripts.render("launch.sh", records_dir=RECORDS_DIR, **_setup_values(target, opts))
+    return (f"# on {target.host}: {command}   (script on stdin)\n{launch}\n"
+            f"# then, staged with the trainer and started detached (its log: {SETUP_LOG_DIR}/setup_tlN.log), "
+            f"{STAGE_DIR}/setup.sh:\n{setup_script(opts, opts.python or 'python3')}")
+
+
+def setup(ct: Container, target: Target, opts: SetupOptions, notify: Notify,
+          progress: Callable[[int], Tracker] | None = None) -> LaunchResult:
+    """Start the installation detached, like a training run (the launch lock, a numbered log, a record with
+    task "setup"); the caller follows its log, then checks (examine)."""
+
+    def package(report: LaunchReply) -> Package:
+        return _setup_package(opts, report.python or "python3", report.manifest)
+
+    return start_detached(ct, _setup_values(target, opts), package, "setup", False, notify, progress)

@@ -238,7 +238,8 @@ def launch_result(result: LaunchResult, as_json: bool, to_stderr: bool, show_tai
         json_doc(dict(run.to_json(), staging=result.staging_json()))
     out = _console(stderr=to_stderr or as_json)  # with --json, the human lines go to stderr
     resumed = f", resuming tl{result.resumed_from}" if result.resumed_from else ""
-    out.print(Text.assemble("started ", (run.run_id, "bold"), f" (pid {run.record.get('pid')}, "
+    task = "" if run.task == "train" else f"gpuctl {run.task}, "
+    out.print(Text.assemble("started ", (run.run_id, "bold"), f" ({task}pid {run.record.get('pid')}, "
                             f"process group {run.record.get('pgid')}{resumed}): ", state_text(run)))
     plan = result.plan
     changed = len(plan.changed)

@@ -15,6 +15,7 @@ import copy
 import itertools
 import math
 import os
+import platform
 import shutil
 import signal
 import sys
@@ -360,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         config = load_config(args.config, args.set)
+        # Which interpreter and torch build run this: the log's first line answers "did it use the right one?"
+        say(f"python {sys.executable} ({platform.python_version()}), torch {torch.__version__} "
+            f"({f'CUDA {torch.version.cuda}' if torch.version.cuda else 'a CPU-only build'})")
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # progress bars would fill the run's log file with carriage returns
