@@ -97,6 +97,11 @@ def test_setup_that_cannot_install_fails_and_records_nothing(gpuctl, tmp_path):
                                           "(gpuctl logs --run 1)")
     assert not gpuctl.path("/root/gpuctl/interpreter").exists()
     assert gpuctl.status()["task"] == "setup" and gpuctl.status()["state"] == "failed"
+    # A setup is a run, but not one to resume.
+    latest = gpuctl("launch", "--resume")
+    assert latest.code == 2 and f"no runs in CT {gpuctl.ctid} to resume" in latest.stderr
+    named = gpuctl("launch", "--resume", "1")
+    assert named.code == 2 and "tl1 is a gpuctl setup, not a training run" in named.stderr
 
 
 @pytest.mark.sshd
