@@ -106,7 +106,7 @@ def launch(
     set_: Annotated[list[str] | None, typer.Option("--set", metavar="KEY=VALUE", help="override a config value: KEY=VALUE "
                                                                     "(repeatable)")] = None,
     python: Annotated[str | None, typer.Option(metavar="PATH", help="Python interpreter in the container "
-                                                 "[default: python3]")] = None,
+                                                 "[default: the one gpuctl setup made, else python3]")] = None,
     workdir: Annotated[str | None, typer.Option(metavar="DIR", help="the run's working directory in the container "
                                                   "[default: /workspace]")] = None,
     log_dir: Annotated[str | None, typer.Option(metavar="DIR", help="where train_tlN.log goes in the container "

@@ -152,7 +152,8 @@ def _first(pattern: re.Pattern, text: str) -> str | None:
     return m[1] if m else None
 
 
-def size(n: float) -> str:
+def _size(n: float) -> str:
+    """Bytes for a check's detail (render.size is a layer above; this one also says TiB, as disks are)."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -260,7 +261,7 @@ def _gpu_memory_check(gpus: list[Gpu]) -> Check:
             parts.append(f"GPU {gpu.index} ?")
             continue
         free = gpu.memory_total_mib - gpu.memory_used_mib
-        parts.append(f"GPU {gpu.index} {size(free * 1024**2)} free of {size(gpu.memory_total_mib * 1024**2)}")
+        parts.append(f"GPU {gpu.index} {_size(free * 1024**2)} free of {_size(gpu.memory_total_mib * 1024**2)}")
         if free < GPU_FREE_WARN * gpu.memory_total_mib:
             busy.append(str(gpu.index))
     if busy:
@@ -273,7 +274,7 @@ def _space_check(name: str, path: str, free_total: tuple[int, int] | None, what:
     if free_total is None:
         return Check(name, WARN, f"{path} does not exist", f"mount the storage runs write to at {path}")
     free, total = free_total
-    detail = f"{path}{what}: {size(free)} free of {size(total)}"
+    detail = f"{path}{what}: {_size(free)} free of {_size(total)}"
     fix = f"free space in {path} (old checkpoints and logs), or write elsewhere (--set output_dir=...)"
     if free < DISK_FAIL_BYTES:
         return Check(name, FAIL, detail, fix)
@@ -308,7 +309,7 @@ def _active_check(reply: DoctorReply) -> Check:
 def _compile_cache_check(cache: int | None) -> Check:
     if cache is None:
         return Check("compile_cache", OK, "/tmp/torchinductor_root: none")
-    detail = f"/tmp/torchinductor_root: {size(cache)} (launch removes it unless --keep-compile-cache)"
+    detail = f"/tmp/torchinductor_root: {_size(cache)} (launch removes it unless --keep-compile-cache)"
     if cache > COMPILE_CACHE_WARN_BYTES:
         return Check("compile_cache", WARN, detail, "rm -rf /tmp/torchinductor_root in the container, or launch")
     return Check("compile_cache", OK, detail)
