@@ -16,6 +16,7 @@ import copy
 import itertools
 import math
 import os
+import platform
 import shutil
 import signal
 import sys
@@ -451,6 +452,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, args.set)
         announce_output_dir(config.output_dir)  # for `gpuctl pull`
+        # Which interpreter and torch build run this: the log's first line answers "did it use the right one?"
+        say(f"python {sys.executable} ({platform.python_version()}), torch {torch.__version__} "
+            f"({f'CUDA {torch.version.cuda}' if torch.version.cuda else 'a CPU-only build'})")
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # progress bars would fill the run's log file with carriage returns
