@@ -174,13 +174,20 @@ def _open(cache_dir: Path, key: str, data_path: Path, built: bool) -> TokenizedD
         return None
     if index.get("key") != key:
         return None
+    tokens, records = index["tokens"], index["records"]
+    sizes = {"input_ids.int32": 4 * tokens, "loss_mask.uint8": tokens,
+             "records.int64": 8 * records * len(RECORD_FIELDS)}
+    try:
+        if any((cache_dir / name).stat().st_size != size for name, size in sizes.items()):
+            return None  # not one this module wrote (its builds appear whole, by rename)
+    except OSError:
+        return None
 
     def array(name: str, dtype, count: int) -> np.ndarray:
         if count == 0:
             return np.zeros(0, dtype=dtype)
         return np.memmap(cache_dir / name, dtype=dtype, mode="r", shape=(count,))
 
-    tokens, records = index["tokens"], index["records"]
     rows = array("records.int64", "<i8", records * len(RECORD_FIELDS)).reshape(records, len(RECORD_FIELDS))
     return TokenizedData(data_path, cache_dir, array("input_ids.int32", "<i4", tokens),
                          array("loss_mask.uint8", "u1", tokens), rows, index, built)
@@ -263,12 +270,14 @@ def _publish(tmp: Path, final: Path, built: _Built, key: str, file: Path, log: L
     try:
         os.rename(tmp, final)
     except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
         winner = _open(final, key, file, built=True)
-        if winner is None:
-            raise
-        log(f"tokenized data: another run cached the same data first; using {final}")
-        return winner
+        if winner is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            log(f"tokenized data: another run cached the same data first; using {final}")
+            return winner
+        log(f"tokenized data: replacing the damaged cache {final}")
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
     _fsync_dir(final.parent)
     _remove_stale(final, file)
     log(f"tokenized {built.records} conversations ({built.tokens} tokens) in {built.seconds:.1f}s with "

@@ -123,6 +123,18 @@ def test_a_changed_file_tokenizer_template_or_length_rebuilds(tokenizer, tmp_pat
     assert not load_tokenized(tokenizer, data_path, 64, **quiet).built
 
 
+def test_a_damaged_cache_is_rebuilt_not_read(tokenizer, tmp_path):
+    data_path = tmp_path / "train.jsonl"
+    conversations = write_data(data_path, 10)
+    first = load_tokenized(tokenizer, data_path, 64, log=lambda _: None)
+    with open(first.cache_dir / "input_ids.int32", "r+b") as ids:
+        ids.truncate(8)
+    lines = []
+    data = load_tokenized(tokenizer, data_path, 64, log=lines.append)
+    assert data.built and data.cache_dir == first.cache_dir and any("replacing the damaged" in x for x in lines)
+    assert_matches(data, expected_sequences(tokenizer, conversations, 64))
+
+
 def test_parallel_tokenisation_equals_serial_in_order(tokenizer, tmp_path, monkeypatch):
     conversations = write_data(tmp_path / "a" / "train.jsonl", 300)
     write_data(tmp_path / "b" / "train.jsonl", 300)
