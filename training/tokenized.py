@@ -262,7 +262,8 @@ def _build(tokenizer, file: Path, options: dict, max_length: int, skip_bad_data:
     if skipped:
         log(f"skip_bad_data: skipped {len(skipped)} bad line(s) of {file}; the first: {skipped[0]}")
     index = {"key": key, "fields": fields, "records": records, "tokens": tokens, "record_fields": list(RECORD_FIELDS),
-             "skipped": len(skipped), "skipped_first": skipped[:10], "built_at": time.time()}
+             "skipped": len(skipped), "skipped_first": skipped[:10], "built_at": time.time(),
+             "build_seconds": round(time.time() - began, 3), "build_processes": workers}
     with open(tmp / "index.json", "w") as out:  # written last: a directory without it is never read
         json.dump(index, out, indent=1)
         out.flush()
