@@ -1,4 +1,4 @@
-"""Regenerate chat data with the target itself (DESIGN §5: the drafter learns the target's own outputs).
+"""Regenerate chat data with the target itself: the drafter learns the target's own outputs (the DFlash recipe).
 
     python -m training.regenerate --config PRESET|PATH [--set KEY=VALUE]...
 

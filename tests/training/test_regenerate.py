@@ -197,7 +197,7 @@ def test_bad_prompts_are_one_line_errors(tiny_world, tmp_path, capsys, lines, me
     (["temperature=-1"], "temperature must be >= 0"),
     (["batch_size=0"], "batch_size must be > 0"),
     (["target_devices=[-1]"], "neither a GPU index"),
-    (["output_path=~/.cache/gpuctl/tiny-v1/train.jsonl"], "output_path must not be prompts_path"),
+    (["output_path=~/.cache/gpuctl/tiny-v2/train.jsonl"], "output_path must not be prompts_path"),
 ])
 def test_bad_configs_are_one_line_errors(capsys, overrides, message):
     code, err = run_main(["--config", "tiny-regenerate"] + [a for s in overrides for a in ("--set", s)], capsys)
