@@ -37,7 +37,7 @@ from training.checkpoint import (
 )
 from training.compile import AttentionShape, SharedFlexAttention, projected_qkv
 from training.config import ConfigError, TrainConfig, load_config, parse_devices
-from training.data import Batch, BatchStream, DataError, eval_prompts, load_conversations, prepare_sequences
+from training.data import Batch, BatchStream, DataError, eval_prompts
 from training.evaluate import acceptance_length, build_eval_set
 from training.export import export_run
 from training.mask import build_block_mask
@@ -46,6 +46,7 @@ from training.model import Drafter, DrafterConfig
 from training.pipeline import Pipeline, PipelineConfig, PipelineError, RunResult, StepReport, Utilisation
 from training.step import compute_dtype, drafter_stage
 from training.target import Target
+from training.tokenized import load_training_data
 
 
 class StopRequest:
@@ -240,13 +241,8 @@ def load_targets(config: TrainConfig, devices: list[torch.device], dtype: torch.
 def load_data(config: TrainConfig, tokenizer) -> tuple[BatchStream, list[list[dict]]]:
     """The training micro-batches, and the held-out conversations evaluation drafts on (eval_data_path, else
     the tail of the training data)."""
-    conversations = load_conversations(config.data_path)
-    if config.eval_data_path:
-        held_out = load_conversations(config.eval_data_path)[: config.eval_prompts]
-    else:
-        cut = max(len(conversations) - config.eval_prompts, 0)
-        conversations, held_out = conversations[:cut], conversations[cut:]
-    sequences = prepare_sequences(tokenizer, conversations, config.max_length, config.block_size)
+    data = load_training_data(tokenizer, config, log=say)  # tokenised once, then read from its cache
+    sequences, held_out = data.sequences, data.held_out
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     stream = BatchStream(sequences, config.micro_batch_rows(), config.buckets(), config.block_size,
                          config.num_anchors, pad_id, config.seed)
@@ -292,7 +288,7 @@ class StepLog:
         self.metrics = MetricsLog(metrics_path(config.output_dir), config.max_steps)
         self.evalset = None
         if config.eval_every and held_out:
-            prompts = eval_prompts(target.tokenizer, held_out)
+            prompts = eval_prompts(target.tokenizer, held_out, {"enable_thinking": config.enable_thinking})
             self.evalset = build_eval_set(target, prompts, config.eval_new_tokens, leader.device)
         self._open_window()
 
