@@ -119,7 +119,7 @@ def launch(
     keep_compile_cache: Annotated[bool, typer.Option("--keep-compile-cache", help="keep /tmp/torchinductor_root")] = False,
     replace: Annotated[bool, typer.Option("--replace", help="kill the active run first instead of refusing")] = False,
     resume: Annotated[str | None, typer.Option("--resume", metavar="[RUN]", help="continue RUN (default: the latest "
-                                               "of --task) from its checkpoints: its task, config, sets and "
+                                               "run, of --task when given) from its checkpoints: its task, config, sets and "
                                                "directories, the trainer's --resume (a regenerate run: the same "
                                                "command, which skips the records done), a new log")] = None,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="stream the log until the run ends; exit "

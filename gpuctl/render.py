@@ -136,10 +136,11 @@ def _run_grid(run: Run, losses: list[float]) -> Table:
     if run.task == "setup":  # gpuctl setup's installation: no config
         grid.add_row("task", f"{run.task} (venv {run.record.get('venv', '-')}, from {run.record.get('python', '-')})")
         return grid
-    config = str(run.record.get("config", "-"))
+    notes = [f"task {run.task}"] * (run.task != "train")
     if run.record.get("resumed_from"):
-        config += f" (resumed tl{run.record['resumed_from']})"
-    grid.add_row("config", config if run.task == "train" else f"{config} (task {run.task})")
+        notes.append(f"resumed tl{run.record['resumed_from']}")
+    config = str(run.record.get("config", "-")) + (f" ({', '.join(notes)})" if notes else "")
+    grid.add_row("config", config)
     return grid
 
 

@@ -86,6 +86,8 @@ def test_regenerate_killed_half_way_then_resumed_writes_every_id_once(gpuctl, tm
     status = gpuctl.status()
     assert (status["run_id"], status["state"], status["resumed_from"]) == ("tl2", "succeeded", "tl1")
     assert (status["progress"]["step"], status["progress"]["total_steps"]) == (PROMPTS, PROMPTS)
+    text = gpuctl("status").stdout
+    assert f"records {PROMPTS}/{PROMPTS} (100%)" in text and "tiny-regenerate (task regenerate, resumed tl1)" in text
     runs = gpuctl("runs", "--json").json()
     assert [(r["run_id"], r["task"], r["state"]) for r in runs] == [("tl1", "regenerate", "killed"),
                                                                       ("tl2", "regenerate", "succeeded")]
