@@ -17,7 +17,8 @@ pytestmark = pytest.mark.sshd
 
 
 def records(gpuctl) -> list[str]:
-    return sorted(p.name for p in gpuctl.path("/workspace/.gpuctl").glob("tl*.json"))
+    """The run records (tlN.json), not what lives beside them (tlN.info.json, the metrics)."""
+    return sorted(p.name for p in gpuctl.path("/workspace/.gpuctl").glob("tl*.json") if p.stem[2:].isdigit())
 
 
 def proc_start(pid: int) -> str:
