@@ -133,6 +133,8 @@ class LaunchOptions:
     keep_compile_cache: bool = False
     replace: bool = False
     resume: int | None = None  # a run number to continue (0: the latest run)
+    retry: int = 0  # restart a failed run with --resume up to this many times (the wrapper does, in the container)
+    retry_delay: float = 10.0  # seconds before a retry; doubled for each attempt in a row that failed before a step
 
 
 @dataclass
@@ -168,6 +170,8 @@ def _check_launch_options(opts: LaunchOptions) -> tuple[LaunchOptions, Path | No
             raise usage_error(f"--set takes KEY=VALUE, got {item!r}")
         if "\n" in item or "\0" in item:
             raise usage_error(f"--set value must not contain NUL or newline characters: {item!r}")
+    if opts.retry < 0 or not 0 <= opts.retry_delay <= 86400:
+        raise usage_error("--retry takes a count >= 0, --retry-delay seconds between 0 and 86400")
     config, python = opts.config or DEFAULTS["config"], opts.python
     if opts.config == "" or opts.python == "":
         raise usage_error("--config and --python must not be empty")
@@ -229,6 +233,8 @@ def _script_values(target: Target, opts: LaunchOptions) -> dict[str, Any]:
     fields: dict[str, Any] = {"config": opts.config, "sets": opts.sets, "workdir": opts.workdir}
     if opts.resume:
         fields.update(resumed_from=opts.resume)
+    if opts.retry:
+        fields.update(retries=opts.retry, retry_delay=opts.retry_delay)
     return detached_values(target, "train", fields, python=opts.python, use_recorded_python=True,
                            log_dir=opts.log_dir, workdir=opts.workdir, keep_compile_cache=opts.keep_compile_cache,
                            replacing=opts.replace)
@@ -425,7 +431,8 @@ class StatusReport:
 
     def to_json(self) -> dict:
         keys = ("run_id", "state", "exit_code", "pid", "pgid", "started_at", "ended_at", "elapsed_s", "log_path",
-                "log_size", "progress", "config", "killed_signal", "resumed_from", "task", "python")
+                "log_size", "progress", "config", "killed_signal", "resumed_from", "task", "python", "attempt",
+                "attempts_left", "retry_of", "attempts", "last_failure", "retried_as", "retry_stopped")
         doc = self.run.to_json() if self.run else dict.fromkeys(keys)
         doc["gpus"] = [g.to_json() for g in self.gpus]
         doc["container"] = {"ctid": self.ctid, "status": self.container_status, "host": self.host}
@@ -575,6 +582,9 @@ def follow_log(ct: Container, run_number: int, lines: int | None, write: Write, 
 
     while True:
         run = reconnecting(ct, follow_once, notify, reconnect_s)
+        if run.record.get("retried_as") and not run.state.active:  # launch --retry: on to the next attempt's log
+            number, position = run.record["retried_as"], 0
+            continue
         if not run.state.active:
             return run
 

@@ -15,6 +15,8 @@ into <output_dir>/export/ when it ends with exit 0. Behaviour comes from `--set 
   fake.weights_bytes=N (4096), fake.state_bytes=N (8192): sizes of drafter.safetensors (random bytes; the
                          export's model.safetensors is the same bytes) and state.pt
   fake.export=0          no export at the end
+  fake.require=PATH      fail (exit 3, before any step) unless PATH exists (`launch --retry` tests: the data
+                         file that appears only later); the trainer's --resume is accepted and ignored
 
 Called as `fake-trainer -m training.export RUN_OR_CHECKPOINT_DIR OUT_DIR [--dtype D] [--force]` it stands in
 for the real exporter's interface: the newest complete checkpoint of a run's output_dir (or the checkpoint
@@ -133,6 +135,9 @@ def main(argv: list[str]) -> int:
     save_every = int(opts.get("save_every", 0))
     out = output_dir(argv)
     announce(out)
+    if "require" in opts and not Path(opts["require"]).exists():
+        print(f"error: {opts['require']} not found", flush=True)
+        return 3
     if opts.get("ignore_term") == "1":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     terms = []
