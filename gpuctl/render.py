@@ -85,6 +85,8 @@ def state_text(run: Run) -> Text:
     label = run.state.value
     if run.state in (State.FAILED, State.KILLED) and run.exit_code is not None:
         label += f" (exit {run.exit_code})"
+    if run.record.get("retried_as"):
+        label += f", retried as tl{run.record['retried_as']}"
     return Text(label, style=STATE_STYLE[run.state])
 
 

@@ -8,6 +8,8 @@ import json
 import pytest
 from tenacity import retry, stop_after_delay, wait_fixed
 
+from tests.cli.conftest import Output
+
 pytestmark = pytest.mark.sshd
 
 DATA = "/workspace/data.jsonl"
@@ -25,7 +27,7 @@ def record(gpuctl, n: int) -> dict:
 
 
 def test_retry_succeeds_once_the_data_is_there_and_status_says_which_attempt(gpuctl):
-    launched = gpuctl.launch_fake("steps=3", f"require={DATA}", extra=("--retry", "2", "--retry-delay", "3"))
+    launched = gpuctl.launch_fake("steps=3", f"require={DATA}", extra=("--retry", "2", "--retry-delay", "5"))
     assert launched.code == 0, launched.stderr
     assert launched.json()["run_id"] == "tl1"
     retrying = wait_for(gpuctl, "tl2", state="retrying")
@@ -43,6 +45,7 @@ def test_retry_succeeds_once_the_data_is_there_and_status_says_which_attempt(gpu
     human = gpuctl("status")
     assert "attempt" in human.stdout and "after tl1" in human.stdout
     assert [r["run_id"] for r in gpuctl("runs", "--json").json()] == ["tl1", "tl2"]
+    assert "failed (exit 3), retried as tl2" in gpuctl("runs").stdout
 
 
 def test_failing_the_same_way_twice_stops_retrying(gpuctl):
@@ -64,7 +67,7 @@ def test_kill_during_the_retry_delay_ends_everything(gpuctl, standin, ctid):
     refused = gpuctl.launch_fake("steps=1")  # while it waits the run is active: a new launch is refused
     assert refused.code == 5, refused.stderr
     assert "tl2 is active" in refused.stderr
-    killed = gpuctl("kill", "--grace", "10")
+    killed = gpuctl("kill", "--run", "tl1", "--grace", "10")  # an earlier attempt: the kill is for the run's last
     assert killed.code == 0, killed.stderr
     assert "tl2" in killed.stdout
     doc = gpuctl.status()
@@ -77,12 +80,13 @@ def test_kill_during_the_retry_delay_ends_everything(gpuctl, standin, ctid):
 
 
 def test_logs_follow_across_a_retry_exits_with_the_final_result(gpuctl):
-    launched = gpuctl.launch_fake("steps=2", f"require={DATA}", extra=("--retry", "1", "--retry-delay", "3"))
+    launched = gpuctl.launch_fake("steps=2", f"require={DATA}", extra=("--retry", "1", "--retry-delay", "5"))
     assert launched.code == 0, launched.stderr
     follower = gpuctl.popen("logs", "--follow", "--run", "tl1")
-    wait_for(gpuctl, "tl2", state="retrying")
+    output = Output(follower)
+    output.wait_for("attempt 2 of 2 is tl2")  # the first attempt failed; the delay runs
     gpuctl.path(DATA).write_text("{}\n")
-    out, err = follower.communicate(timeout=60)
+    out, err = output.finish(timeout=60)
     assert follower.returncode == 0, err
     assert "error: /workspace/data.jsonl not found" in out  # the first attempt's log
     assert "attempt 2 of 2 is tl2" in out
