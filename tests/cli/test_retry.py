@@ -92,3 +92,18 @@ def test_logs_follow_across_a_retry_exits_with_the_final_result(gpuctl):
     assert "attempt 2 of 2 is tl2" in out
     assert out.rstrip().endswith("done, exit 0")  # then the second attempt's, to its end
     assert out.count("done, exit 0") == 1
+
+
+def test_delay_doubles_while_attempts_fail_before_a_step_and_retries_run_out(gpuctl):
+    launched = gpuctl.launch_fake("exit_seq=3,4,5", extra=("--retry", "3", "--retry-delay", "0.5"))
+    assert launched.code == 0, launched.stderr  # the first attempt failed in the start check: retried, not failed
+    done = wait_for(gpuctl, "tl4", state="failed")
+    assert done["exit_code"] == 5 and done["attempt"] == 4 and done["attempts_left"] == 0
+    assert done["attempts"] == ["tl1", "tl2", "tl3"] and done["retry_stopped"] is None  # out of retries
+    waits = [round(record(gpuctl, n)["retry_at"] - record(gpuctl, n)["launched_at"], 1) for n in (2, 3, 4)]
+    assert waits == [0.5, 1.0, 2.0]
+    for n in (2, 3, 4):
+        rec = record(gpuctl, n)
+        assert rec["started_at"] >= rec["retry_at"] and rec["resumed_from"] == n - 1
+    assert [record(gpuctl, n)["exit_code"] for n in (1, 2, 3, 4)] == [3, 4, 5, 5]
+    assert not gpuctl.path("/workspace/.gpuctl/tl5.json").exists()
