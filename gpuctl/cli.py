@@ -102,8 +102,12 @@ def with_target(func: Callable) -> Callable:
 def launch(
     flags: TargetFlags,
     stats: ssh.Stats,
-    config: Annotated[str | None, typer.Option(metavar="PRESET|PATH", help="trainer preset name, or a config file (a local "
-                                                    "file is staged) [default: tiny, or the resumed run's]")] = None,
+    task: Annotated[commands.LaunchTask | None, typer.Option(help="what to run: train (python -m training.train) or "
+                                                             "regenerate (python -m training.regenerate) [default: "
+                                                             "train, or the resumed run's]")] = None,
+    config: Annotated[str | None, typer.Option(metavar="PRESET|PATH", help="preset name, or a config file (a local "
+                                                    "file is staged) [default: tiny (regenerate: tiny-regenerate), "
+                                                    "or the resumed run's]")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", metavar="KEY=VALUE", help="override a config value: KEY=VALUE "
                                                                     "(repeatable)")] = None,
     python: Annotated[str | None, typer.Option(metavar="PATH", help="Python interpreter in the container "
@@ -114,11 +118,12 @@ def launch(
                                                   "[default: /workspace]")] = None,
     keep_compile_cache: Annotated[bool, typer.Option("--keep-compile-cache", help="keep /tmp/torchinductor_root")] = False,
     replace: Annotated[bool, typer.Option("--replace", help="kill the active run first instead of refusing")] = False,
-    resume: Annotated[str | None, typer.Option("--resume", metavar="[RUN]", help="continue RUN (default: the latest) "
-                                               "from its checkpoints: its config, sets and directories, the trainer's "
-                                               "--resume, a new log")] = None,
+    resume: Annotated[str | None, typer.Option("--resume", metavar="[RUN]", help="continue RUN (default: the latest "
+                                               "run, of --task when given) from its checkpoints: its task, config, sets and "
+                                               "directories, the trainer's --resume (a regenerate run: the same "
+                                               "command, which skips the records done), a new log")] = None,
     retry: Annotated[int, typer.Option("--retry", metavar="N", help="restart a failed run with the trainer's "
-                                       "--resume up to N times, each attempt a new run number and log (not after "
+                                       "--resume (a regenerate run: the same command) up to N times, each attempt a new run number and log (not after "
                                        "gpuctl kill, nor after two attempts that fail alike)")] = 0,
     retry_delay: Annotated[float, typer.Option("--retry-delay", metavar="SECONDS", help="wait before a retry; doubled "
                                                "for each attempt in a row that failed before its first step")] = 10.0,
@@ -127,7 +132,8 @@ def launch(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print what would run, run nothing")] = False,
     json_: JsonOpt = False,
 ) -> int:
-    """Start a training run in the container, detached; print its id, pid and log."""
+    """Start a training run (or, with --task regenerate, a data regeneration) in the container, detached; print
+    its id, pid and log."""
     if json_ and follow:
         raise usage_error("--json and --follow cannot be combined (the log goes to stdout)")
     if resume is not None and dry_run:
@@ -135,7 +141,7 @@ def launch(
     target = resolve(flags)
     opts = commands.LaunchOptions(config=config, sets=set_ or [], python=python, workdir=workdir,
                                   log_dir=log_dir, keep_compile_cache=keep_compile_cache, replace=replace,
-                                  resume=None if resume is None else parse_run_ref(resume or None),
+                                  resume=None if resume is None else parse_run_ref(resume or None), task=task,
                                   retry=retry, retry_delay=retry_delay)
     if dry_run:
         sys.stdout.write(commands.plan_launch(target, opts))

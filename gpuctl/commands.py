@@ -120,12 +120,23 @@ def inspect(ct: Container, run_number: int = 0, *, all_runs: bool = False, gpus:
 
 # The interpreter is not among them: without --python, the container's side takes the one `gpuctl setup`
 # recorded (INTERPRETER_FILE), else python3 (lib.sh's resolve_python).
-DEFAULTS = {"config": "tiny", "workdir": "/workspace", "log_dir": "/workspace"}
+DEFAULTS = {"workdir": "/workspace", "log_dir": "/workspace"}
+
+
+class LaunchTask(str, Enum):
+    """What `launch --task` runs (detached, as run.sh): the trainer, or the data regeneration."""
+
+    TRAIN = "train"  # python -m training.train
+    REGENERATE = "regenerate"  # python -m training.regenerate
+
+
+TASK_MODULES = {LaunchTask.TRAIN: "training.train", LaunchTask.REGENERATE: "training.regenerate"}
+TASK_CONFIGS = {LaunchTask.TRAIN: "tiny", LaunchTask.REGENERATE: "tiny-regenerate"}  # the default --config
 
 
 @dataclass
 class LaunchOptions:
-    config: str | None = None  # None: "tiny", or the resumed run's
+    config: str | None = None  # None: the task's default (TASK_CONFIGS), or the resumed run's
     sets: list[str] = field(default_factory=list)
     python: str | None = None  # None: the container's (gpuctl setup's, else python3)
     workdir: str | None = None
@@ -135,6 +146,7 @@ class LaunchOptions:
     resume: int | None = None  # a run number to continue (0: the latest run)
     retry: int = 0  # restart a failed run with --resume up to this many times (the wrapper does, in the container)
     retry_delay: float = 10.0  # seconds before a retry; doubled for each attempt in a row that failed before a step
+    task: LaunchTask | None = None  # None: the resumed run's task, else train
 
 
 @dataclass
@@ -172,14 +184,16 @@ def _check_launch_options(opts: LaunchOptions) -> tuple[LaunchOptions, Path | No
             raise usage_error(f"--set value must not contain NUL or newline characters: {item!r}")
     if opts.retry < 0 or not 0 <= opts.retry_delay <= 86400:
         raise usage_error("--retry takes a count >= 0, --retry-delay seconds between 0 and 86400")
-    config, python = opts.config or DEFAULTS["config"], opts.python
+    task = LaunchTask(opts.task or LaunchTask.TRAIN)
+    config, python = opts.config or TASK_CONFIGS[task], opts.python
     if opts.config == "" or opts.python == "":
         raise usage_error("--config and --python must not be empty")
     if python is not None:
         check_python(python)
     local = Path(config).expanduser()
     config_file = local if local.is_file() and not config.startswith(f"{STAGE_DIR}/") else None
-    checked = replace(opts, config=f"{STAGE_DIR}/configs/{local.name}" if config_file else config, python=python,
+    checked = replace(opts, task=task, config=f"{STAGE_DIR}/configs/{local.name}" if config_file else config,
+                      python=python,
                       workdir=_remote_dir(opts.workdir or DEFAULTS["workdir"], "--workdir"),
                       log_dir=_remote_dir(opts.log_dir or DEFAULTS["log_dir"], "--log-dir"), sets=list(opts.sets))
     return checked, config_file
@@ -192,10 +206,11 @@ def check_python(python: str) -> str:
 
 
 def resume_options(opts: LaunchOptions, record: dict[str, Any]) -> LaunchOptions:
-    """A resumed run: the run's own config, sets, interpreter, directories; what the command line gives wins,
-    and its --set values come after the run's (so they override them)."""
+    """A resumed run: the run's own task, config, sets, interpreter, directories; what the command line gives
+    wins, and its --set values come after the run's (so they override them)."""
     log_path = record.get("log_path") or ""
-    return replace(opts, config=opts.config or record.get("config"),
+    return replace(opts, task=LaunchTask(record.get("task") or LaunchTask.TRAIN),
+                   config=opts.config or record.get("config"),
                    sets=[*record.get("sets", []), *opts.sets], python=opts.python or record.get("python"),
                    workdir=opts.workdir or record.get("workdir"),
                    log_dir=opts.log_dir or (str(PurePosixPath(log_path).parent) if log_path else None))
@@ -209,8 +224,9 @@ def _holder() -> str:
 def detached_values(target: Target, task: str, fields: dict[str, Any], *, python: str | None,
                     use_recorded_python: bool, log_dir: str, workdir: str, keep_compile_cache: bool,
                     replacing: bool) -> dict[str, Any]:
-    """launch.sh's values for a detached task: "train" runs the staged run.sh (a training run), "setup" the staged
-    setup.sh (gpuctl setup's installation); each has its own numbered log and a record that names the task."""
+    """launch.sh's values for a detached task: "train" and "regenerate" run the staged run.sh (a training run, a
+    data regeneration), "setup" the staged setup.sh (gpuctl setup's installation); each has its own numbered log
+    (<task>_tlN.log) and a record that names the task."""
     record_fields = {
         "task": task, "host": target.host, "container": target.ct, **fields,
         "launched_by": f"{getpass.getuser()}@{socket.gethostname()}", "gpuctl_version": __version__,
@@ -226,7 +242,8 @@ def detached_values(target: Target, task: str, fields: dict[str, Any], *, python
     }
 
 
-TASK_ENTRIES = {"train": "run.sh", "setup": "setup.sh"}  # what the wrapper runs, in the staged package
+# What the wrapper runs, in the staged package; a task's log is <task>_tlN.log.
+TASK_ENTRIES = {"train": "run.sh", "regenerate": "run.sh", "setup": "setup.sh"}
 
 
 def _script_values(target: Target, opts: LaunchOptions) -> dict[str, Any]:
@@ -235,15 +252,18 @@ def _script_values(target: Target, opts: LaunchOptions) -> dict[str, Any]:
         fields.update(resumed_from=opts.resume)
     if opts.retry:
         fields.update(retries=opts.retry, retry_delay=opts.retry_delay)
-    return detached_values(target, "train", fields, python=opts.python, use_recorded_python=True,
+    return detached_values(target, opts.task.value, fields, python=opts.python, use_recorded_python=True,
                            log_dir=opts.log_dir, workdir=opts.workdir, keep_compile_cache=opts.keep_compile_cache,
                            replacing=opts.replace)
 
 
 def _package(config_file: Path | None, opts: LaunchOptions) -> Package:
     """The trainer (and local config), this launch's run.sh, and the wrapper."""
+    # A regenerate run resumes by running again: the module itself skips every record already written.
     run_sh = scripts.render("run.sh", stage_dir=STAGE_DIR, workdir=opts.workdir, python=opts.python,
-                            config=opts.config, sets=opts.sets, resume=opts.resume is not None)
+                            module=TASK_MODULES[opts.task], config=opts.config, sets=opts.sets,
+                            resume=opts.resume is not None and opts.task == LaunchTask.TRAIN,
+                            takes_resume=opts.task == LaunchTask.TRAIN)  # a --retry attempt's --resume
     return build_package(config_file).with_files([file_from_bytes("run.sh", run_sh.encode(), 0o755), wrapper_file()])
 
 
@@ -281,15 +301,19 @@ def _active_conflict(ct: Container, active: Run) -> GpuctlError:
                        "or launch with --replace", ExitCode.CONFLICT)
 
 
-def _resumable(ct: Container, number: int) -> Run:
-    """The run `launch --resume [N]` continues: run N, or the latest training run (not a gpuctl setup)."""
+def _resumable(ct: Container, number: int, task: LaunchTask | None) -> Run:
+    """The run `launch --resume [N]` continues: run N, or the latest run of `task` (any task but a gpuctl setup
+    when None)."""
+    tasks = {task.value} if task else {t.value for t in LaunchTask}
     found = inspect(ct, number).runs
-    if found and found[0].task != "train" and number == 0:
-        found = [run for run in inspect(ct, all_runs=True).runs if run.task == "train"][-1:]
+    if found and found[0].task not in tasks and number == 0:
+        found = [run for run in inspect(ct, all_runs=True).runs if run.task in tasks][-1:]
     if not found:
-        raise usage_error(f"no runs in CT {ct.ctid} to resume")
-    if found[0].task != "train":
+        raise usage_error(f"no {task.value + ' ' if task else ''}runs in CT {ct.ctid} to resume")
+    if found[0].task not in {t.value for t in LaunchTask}:
         raise usage_error(f"{found[0].run_id} is a gpuctl {found[0].task}, not a training run: nothing to resume")
+    if found[0].task not in tasks:
+        raise usage_error(f"{found[0].run_id} is a {found[0].task} run, not {task.value}: leave out --task")
     return found[0]
 
 
@@ -309,7 +333,7 @@ def launch(ct: Container, target: Target, opts: LaunchOptions, notify: Notify,
     """Start a run. progress(total bytes) gives the tracker of the changed files' transfer."""
     resumed = None
     if opts.resume is not None:
-        resumed = _resumable(ct, opts.resume)
+        resumed = _resumable(ct, opts.resume, opts.task)
         opts = resume_options(replace(opts, resume=resumed.number), resumed.record)
     opts, config_file = _check_launch_options(opts)
 
@@ -317,7 +341,8 @@ def launch(ct: Container, target: Target, opts: LaunchOptions, notify: Notify,
         ran = replace(opts, python=report.python)
         return _kept_config(_package(config_file, ran), ran, report.manifest)
 
-    result = start_detached(ct, _script_values(target, opts), package, "train", opts.replace, notify, progress)
+    result = start_detached(ct, _script_values(target, opts), package, opts.task.value, opts.replace, notify,
+                            progress)
     return replace(result, resumed_from=resumed.number if resumed else None)
 
 

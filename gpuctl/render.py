@@ -94,7 +94,8 @@ def progress_text(run: Run) -> str:
     p = run.progress
     if p is None:
         return "-"
-    parts = [f"step {p.step}/{p.total_steps}" if p.total_steps else f"step {p.step}"]
+    unit = "records" if run.task == "regenerate" else "step"  # a regeneration counts the records written
+    parts = [f"{unit} {p.step}/{p.total_steps}" if p.total_steps else f"{unit} {p.step}"]
     if p.total_steps:
         parts[0] += f" ({100 * p.step / p.total_steps:.0f}%)"
     if p.loss is not None:
@@ -134,12 +135,13 @@ def _run_grid(run: Run, losses: list[float]) -> Table:
     grid.add_row("progress", progress_text(run))
     if spark := sparkline(losses):
         grid.add_row("loss", Text.assemble((spark, "cyan"), f"  {losses[0]:.4g} → {losses[-1]:.4g}"))
-    if run.task != "train":  # gpuctl setup's installation: no config
+    if run.task == "setup":  # gpuctl setup's installation: no config
         grid.add_row("task", f"{run.task} (venv {run.record.get('venv', '-')}, from {run.record.get('python', '-')})")
         return grid
-    config = str(run.record.get("config", "-"))
+    notes = [f"task {run.task}"] * (run.task != "train")
     if run.record.get("resumed_from"):
-        config += f" (resumed tl{run.record['resumed_from']})"
+        notes.append(f"resumed tl{run.record['resumed_from']}")
+    config = str(run.record.get("config", "-")) + (f" ({', '.join(notes)})" if notes else "")
     grid.add_row("config", config)
     if retry := _retry_text(run):
         grid.add_row("attempt", retry)
@@ -258,7 +260,7 @@ def launch_result(result: LaunchResult, as_json: bool, to_stderr: bool, show_tai
         json_doc(dict(run.to_json(), staging=result.staging_json()))
     out = _console(stderr=to_stderr or as_json)  # with --json, the human lines go to stderr
     resumed = f", resuming tl{result.resumed_from}" if result.resumed_from else ""
-    task = "" if run.task == "train" else f"gpuctl {run.task}, "
+    task = {"train": "", "setup": "gpuctl setup, "}.get(run.task, f"task {run.task}, ")
     out.print(Text.assemble("started ", (run.run_id, "bold"), f" ({task}pid {run.record.get('pid')}, "
                             f"process group {run.record.get('pgid')}{resumed}): ", state_text(run)))
     plan = result.plan
