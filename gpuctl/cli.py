@@ -122,6 +122,11 @@ def launch(
                                                "run, of --task when given) from its checkpoints: its task, config, sets and "
                                                "directories, the trainer's --resume (a regenerate run: the same "
                                                "command, which skips the records done), a new log")] = None,
+    retry: Annotated[int, typer.Option("--retry", metavar="N", help="restart a failed run with the trainer's "
+                                       "--resume (a regenerate run: the same command) up to N times, each attempt a new run number and log (not after "
+                                       "gpuctl kill, nor after two attempts that fail alike)")] = 0,
+    retry_delay: Annotated[float, typer.Option("--retry-delay", metavar="SECONDS", help="wait before a retry; doubled "
+                                               "for each attempt in a row that failed before its first step")] = 10.0,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="stream the log until the run ends; exit "
                                                                 "with its outcome")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print what would run, run nothing")] = False,
@@ -136,7 +141,8 @@ def launch(
     target = resolve(flags)
     opts = commands.LaunchOptions(config=config, sets=set_ or [], python=python, workdir=workdir,
                                   log_dir=log_dir, keep_compile_cache=keep_compile_cache, replace=replace,
-                                  resume=None if resume is None else parse_run_ref(resume or None), task=task)
+                                  resume=None if resume is None else parse_run_ref(resume or None), task=task,
+                                  retry=retry, retry_delay=retry_delay)
     if dry_run:
         sys.stdout.write(commands.plan_launch(target, opts))
         return ExitCode.OK
@@ -147,8 +153,8 @@ def launch(
         render.launch_result(result, as_json=json_, to_stderr=follow, show_tail=not follow)
         if follow:  # the whole log, even when the run already ended during the start check
             return _follow(ct, result.run.number, lines=None, offset=0)
-    if result.run.state in (State.FAILED, State.KILLED, State.LOST):
-        return ExitCode.RUN_FAILED
+    if result.run.state in (State.FAILED, State.KILLED, State.LOST) and not result.run.record.get("retried_as"):
+        return ExitCode.RUN_FAILED  # a failed first attempt that --retry restarts is no failure of the launch yet
     return ExitCode.OK
 
 

@@ -144,6 +144,8 @@ class LaunchOptions:
     keep_compile_cache: bool = False
     replace: bool = False
     resume: int | None = None  # a run number to continue (0: the latest run)
+    retry: int = 0  # restart a failed run with --resume up to this many times (the wrapper does, in the container)
+    retry_delay: float = 10.0  # seconds before a retry; doubled for each attempt in a row that failed before a step
     task: LaunchTask | None = None  # None: the resumed run's task, else train
 
 
@@ -180,6 +182,8 @@ def _check_launch_options(opts: LaunchOptions) -> tuple[LaunchOptions, Path | No
             raise usage_error(f"--set takes KEY=VALUE, got {item!r}")
         if "\n" in item or "\0" in item:
             raise usage_error(f"--set value must not contain NUL or newline characters: {item!r}")
+    if opts.retry < 0 or not 0 <= opts.retry_delay <= 86400:
+        raise usage_error("--retry takes a count >= 0, --retry-delay seconds between 0 and 86400")
     task = LaunchTask(opts.task or LaunchTask.TRAIN)
     config, python = opts.config or TASK_CONFIGS[task], opts.python
     if opts.config == "" or opts.python == "":
@@ -246,6 +250,8 @@ def _script_values(target: Target, opts: LaunchOptions) -> dict[str, Any]:
     fields: dict[str, Any] = {"config": opts.config, "sets": opts.sets, "workdir": opts.workdir}
     if opts.resume:
         fields.update(resumed_from=opts.resume)
+    if opts.retry:
+        fields.update(retries=opts.retry, retry_delay=opts.retry_delay)
     return detached_values(target, opts.task.value, fields, python=opts.python, use_recorded_python=True,
                            log_dir=opts.log_dir, workdir=opts.workdir, keep_compile_cache=opts.keep_compile_cache,
                            replacing=opts.replace)
@@ -256,7 +262,8 @@ def _package(config_file: Path | None, opts: LaunchOptions) -> Package:
     # A regenerate run resumes by running again: the module itself skips every record already written.
     run_sh = scripts.render("run.sh", stage_dir=STAGE_DIR, workdir=opts.workdir, python=opts.python,
                             module=TASK_MODULES[opts.task], config=opts.config, sets=opts.sets,
-                            resume=opts.resume is not None and opts.task == LaunchTask.TRAIN)
+                            resume=opts.resume is not None and opts.task == LaunchTask.TRAIN,
+                            takes_resume=opts.task == LaunchTask.TRAIN)  # a --retry attempt's --resume
     return build_package(config_file).with_files([file_from_bytes("run.sh", run_sh.encode(), 0o755), wrapper_file()])
 
 
@@ -449,7 +456,8 @@ class StatusReport:
 
     def to_json(self) -> dict:
         keys = ("run_id", "state", "exit_code", "pid", "pgid", "started_at", "ended_at", "elapsed_s", "log_path",
-                "log_size", "progress", "config", "killed_signal", "resumed_from", "task", "python")
+                "log_size", "progress", "config", "killed_signal", "resumed_from", "task", "python", "attempt",
+                "attempts_left", "retry_of", "attempts", "last_failure", "retried_as", "retry_stopped")
         doc = self.run.to_json() if self.run else dict.fromkeys(keys)
         doc["gpus"] = [g.to_json() for g in self.gpus]
         doc["container"] = {"ctid": self.ctid, "status": self.container_status, "host": self.host}
@@ -599,6 +607,9 @@ def follow_log(ct: Container, run_number: int, lines: int | None, write: Write, 
 
     while True:
         run = reconnecting(ct, follow_once, notify, reconnect_s)
+        if run.record.get("retried_as") and not run.state.active:  # launch --retry: on to the next attempt's log
+            number, position = run.record["retried_as"], 0
+            continue
         if not run.state.active:
             return run
 

@@ -26,7 +26,7 @@ SPARK = "▁▂▃▄▅▆▇█"
 PROGRESS_AFTER_S = 0.5  # a transfer shows a progress bar only once it has taken this long
 CHECK_STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red"}
 STATE_STYLE = {State.STARTING: "yellow", State.RUNNING: "green", State.SUCCEEDED: "bold green",
-               State.FAILED: "bold red", State.KILLED: "magenta", State.LOST: "red"}
+               State.FAILED: "bold red", State.KILLED: "magenta", State.LOST: "red", State.RETRYING: "yellow"}
 
 
 def _console(stderr: bool) -> Console:
@@ -85,6 +85,8 @@ def state_text(run: Run) -> Text:
     label = run.state.value
     if run.state in (State.FAILED, State.KILLED) and run.exit_code is not None:
         label += f" (exit {run.exit_code})"
+    if run.record.get("retried_as"):
+        label += f", retried as tl{run.record['retried_as']}"
     return Text(label, style=STATE_STYLE[run.state])
 
 
@@ -141,7 +143,25 @@ def _run_grid(run: Run, losses: list[float]) -> Table:
         notes.append(f"resumed tl{run.record['resumed_from']}")
     config = str(run.record.get("config", "-")) + (f" ({', '.join(notes)})" if notes else "")
     grid.add_row("config", config)
+    if retry := _retry_text(run):
+        grid.add_row("attempt", retry)
     return grid
+
+
+def _retry_text(run: Run) -> str:
+    """`launch --retry`: the attempt, the retries left, the attempts before it, how the last one failed."""
+    r = run.retry_json()
+    if r["attempt"] == 1 and not r["attempts_left"] and not r["retried_as"]:
+        return ""
+    text = f"{r['attempt']} ({r['attempts_left']} retries left"
+    text += f"; after {', '.join(r['attempts'])})" if r["attempts"] else ")"
+    if r["last_failure"]:
+        text += f"\nlast failure: {r['last_failure']}"
+    if r["retried_as"]:
+        text += f"\nretried as {r['retried_as']}"
+    if r["retry_stopped"]:
+        text += f"\n{r['retry_stopped']}"
+    return text
 
 
 def status_renderable(report: StatusReport) -> RenderableType:
@@ -254,6 +274,8 @@ def launch_result(result: LaunchResult, as_json: bool, to_stderr: bool, show_tai
     if result.tail and show_tail:
         message(f"{run.run_id} ended during its start ({run.state.value}, exit {run.exit_code}); the log's end:")
         sys.stderr.write(result.tail.decode(errors="replace").rstrip("\n") + "\n")
+    if run.record.get("retried_as"):
+        message(f"{run.run_id} failed; --retry: attempt 2 is tl{run.record['retried_as']} (gpuctl status shows it)")
 
 
 def kill_result(result: KillResult) -> None:

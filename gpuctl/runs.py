@@ -28,10 +28,11 @@ class State(str, Enum):
     FAILED = "failed"
     KILLED = "killed"
     LOST = "lost"  # the process is gone and left no exit record
+    RETRYING = "retrying"  # `launch --retry`: an attempt failed; the wrapper waits out the delay before the next
 
     @property
     def active(self) -> bool:
-        return self in (State.STARTING, State.RUNNING)
+        return self in (State.STARTING, State.RUNNING, State.RETRYING)
 
 
 def parse_run_ref(text: str | None) -> int:
@@ -137,7 +138,9 @@ class Run:
                 return State.KILLED
             return State.SUCCEEDED if self.exit_code == 0 else State.FAILED
         if self.alive:
-            return State.RUNNING if "pid" in self.record else State.STARTING
+            if "pid" in self.record:
+                return State.RUNNING
+            return State.RETRYING if self.record.get("retry_of") else State.STARTING
         return State.KILLED if self.record.get("killed_signal") else State.LOST
 
     @property
@@ -173,4 +176,20 @@ class Run:
             "resumed_from": f"tl{self.record['resumed_from']}" if self.record.get("resumed_from") else None,
             "task": self.task,
             "python": self.record.get("python"),
+            **self.retry_json(),
+        }
+
+    def retry_json(self) -> dict[str, Any]:
+        """`launch --retry`: which attempt this run is (1: the launched one), the retries left after it, the
+        attempts before it (oldest first), how the last of them failed, the attempt that retried this one, and why
+        retrying stopped here (a deterministic failure), if it did."""
+        rec = self.record
+        return {
+            "attempt": rec.get("attempt", 1),
+            "attempts_left": rec.get("retries_left", rec.get("retries", 0)),
+            "retry_of": rec.get("retry_of"),
+            "attempts": rec.get("attempts", []),
+            "last_failure": rec.get("last_failure"),
+            "retried_as": f"tl{rec['retried_as']}" if rec.get("retried_as") else None,
+            "retry_stopped": rec.get("retry_stopped"),
         }

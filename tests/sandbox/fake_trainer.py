@@ -15,6 +15,9 @@ into <output_dir>/export/ when it ends with exit 0. Behaviour comes from `--set 
   fake.weights_bytes=N (4096), fake.state_bytes=N (8192): sizes of drafter.safetensors (random bytes; the
                          export's model.safetensors is the same bytes) and state.pt
   fake.export=0          no export at the end
+  fake.require=PATH      fail (exit 3, before any step) unless PATH exists (`launch --retry` tests: the data
+                         file that appears only later); the trainer's --resume is accepted and ignored
+  fake.exit_seq=C1,C2,.. the Kth start in this output_dir exits CK before any step (the last one repeated)
 
 Called as `fake-trainer -m training.export RUN_OR_CHECKPOINT_DIR OUT_DIR [--dtype D] [--force]` it stands in
 for the real exporter's interface: the newest complete checkpoint of a run's output_dir (or the checkpoint
@@ -133,6 +136,17 @@ def main(argv: list[str]) -> int:
     save_every = int(opts.get("save_every", 0))
     out = output_dir(argv)
     announce(out)
+    if "exit_seq" in opts:
+        counter = out / ".fake_starts"
+        counter.parent.mkdir(parents=True, exist_ok=True)
+        starts = int(counter.read_text()) + 1 if counter.exists() else 1
+        counter.write_text(str(starts))
+        codes = [int(c) for c in opts["exit_seq"].split(",")]
+        print(f"start {starts}: exit {codes[min(starts, len(codes)) - 1]}", flush=True)
+        return codes[min(starts, len(codes)) - 1]
+    if "require" in opts and not Path(opts["require"]).exists():
+        print(f"error: {opts['require']} not found", flush=True)
+        return 3
     if opts.get("ignore_term") == "1":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     terms = []
