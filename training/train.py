@@ -6,7 +6,7 @@ One process: a target thread per `target_devices` entry, a drafter thread (one d
 `drafter_devices` entry; a one-device run is one of each on the same device. A bad configuration prints one
 line and exits 2. SIGTERM (and Ctrl-C) stop at a step boundary, save a checkpoint and exit (0 for SIGTERM, 130
 for Ctrl-C); a second one aborts at once (130, no checkpoint). A failing thread stops them all: its traceback,
-then exit 1. `main` alone turns how the run ended into the exit code.
+then exit 1. `main` alone turns how the run ended into the exit code, one of TrainExit.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from enum import IntEnum
 from pathlib import Path
 
 import torch
@@ -444,9 +445,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+class TrainExit(IntEnum):
+    """The trainer's exit codes, written here and nowhere else; `main` decides which, once."""
+
+    OK = 0  # done, or stopped by SIGTERM with a checkpoint saved
+    FAILED = 1  # a thread failed (its traceback is in the log)
+    BAD_INPUT = 2  # a bad configuration or bad data: one line
+    INTERRUPTED = 130  # stopped by Ctrl-C (checkpoint saved), or aborted by a second signal (none)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """The process: train, then the exit code, decided here and nowhere else: 0 done or stopped by SIGTERM,
-    130 stopped by Ctrl-C or aborted by a second signal, 2 a bad configuration or data, 1 a failed thread."""
+    """The process: train, then the exit code (TrainExit), decided here and nowhere else."""
     args = parse_args(argv)
     try:
         config = load_config(args.config, args.set)
@@ -457,18 +466,18 @@ def main(argv: list[str] | None = None) -> int:
             result = train(config, resume=args.resume, stop=stop)
     except (ConfigError, DataError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return TrainExit.BAD_INPUT
     except PipelineError as err:  # a thread failed: its own traceback, then one line
         print(err.traceback_text, end="", file=sys.stderr)
         print(f"error: {err}", file=sys.stderr, flush=True)
         if err.still_running:  # a thread stuck inside a device call would hold up the interpreter's exit
             sys.stdout.flush()
-            os._exit(1)
-        return 130 if isinstance(err.error, KeyboardInterrupt) else 1
+            os._exit(TrainExit.FAILED)
+        return TrainExit.INTERRUPTED if isinstance(err.error, KeyboardInterrupt) else TrainExit.FAILED
     except KeyboardInterrupt as interrupt:  # a second signal outside the pipeline (loading, saving)
         print(f"error: {interrupt or 'interrupted'}", file=sys.stderr, flush=True)
-        return 130
-    return 130 if result.stopped and stop.signal == signal.SIGINT else 0
+        return TrainExit.INTERRUPTED
+    return TrainExit.INTERRUPTED if result.stopped and stop.signal == signal.SIGINT else TrainExit.OK
 
 
 if __name__ == "__main__":
