@@ -18,6 +18,7 @@ except ModuleNotFoundError:  # Python 3.10
 PRESETS_DIR = Path(__file__).parent / "presets"
 DTYPES = ("auto", "bfloat16", "float32")
 ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
+ON_CHECKPOINT_ERROR = ("stop", "warn")
 
 
 class ConfigError(ValueError):
@@ -67,6 +68,7 @@ class TrainConfig:
     log_every: int = 10
     save_every: int = 500
     keep_checkpoints: int = 2
+    on_checkpoint_error: str = "stop"  # a checkpoint that cannot be written: stop (exit 4), or warn and go on
     eval_every: int = 500  # 0 = never; also evaluated before the first step and after the last
     eval_prompts: int = 8
     eval_new_tokens: int = 256
@@ -100,6 +102,9 @@ class TrainConfig:
             raise ConfigError(f"block_size must be >= 2, got {self.block_size}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.on_checkpoint_error not in ON_CHECKPOINT_ERROR:
+            raise ConfigError(f"on_checkpoint_error must be one of {', '.join(ON_CHECKPOINT_ERROR)}, got "
+                              f"{self.on_checkpoint_error!r}")
         if self.attention not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention!r}")
         buckets = self.buckets()

@@ -8,10 +8,13 @@ line and exits 2. SIGTERM (and Ctrl-C) stop at a step boundary, save a checkpoin
 for Ctrl-C); a second one aborts at once (130, no checkpoint). A failing thread stops them all: its traceback,
 then exit 1. A step whose loss or summed gradient is not finite is skipped (no optimizer or LR-schedule step;
 the data moves on) and counted; `max_bad_steps` of them in a row stop the run: one line naming the step and
-what was not finite, exit 3. `main` alone turns how the run ended into the exit code, one of TrainExit:
+what was not finite, exit 3. A checkpoint that cannot be written (disk full, read-only, over quota) leaves the
+earlier ones intact and stops the run: one line naming its path and the cause, exit 4; with
+on_checkpoint_error=warn a periodic one is a warning instead, and the run goes on. `main` alone turns how the
+run ended into the exit code, one of TrainExit:
 
-    0 done, or stopped by SIGTERM     2 bad configuration or data     130 Ctrl-C, or a second signal
-    1 a thread failed (traceback)     3 max_bad_steps non-finite steps in a row
+    0 done, or stopped by SIGTERM     2 bad configuration or data                 4 a checkpoint write failed
+    1 a thread failed (traceback)     3 max_bad_steps non-finite steps in a row   130 Ctrl-C, or a 2nd signal
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch
 
 from training.attention import FlexAttention, resolve_backend
 from training.checkpoint import (
+    CheckpointWriteError,
     check_checkpoint,
     checkpoints_dir,
     latest_checkpoint,
@@ -392,7 +396,8 @@ class CheckpointPolicy:
     """When the run goes to disk. Built once; `after_step` after every step (in the leader drafter thread)
     saves every `save_every`-th step and the last; `close` at the end saves the final step unless it is saved
     already (a stop). A checkpoint holds the leader replica (the replicas are identical) and the data
-    position of its own step."""
+    position of its own step. One that cannot be written raises CheckpointWriteError (exit 4), or with
+    on_checkpoint_error=warn, for any but the run's last, is a warning, and the run goes on."""
 
     def __init__(self, config: TrainConfig, leader: DrafterReplica, batches: StepBatches, step: int):
         self.config, self.leader, self.batches = config, leader, batches
@@ -400,16 +405,23 @@ class CheckpointPolicy:
 
     def after_step(self, step: int) -> None:
         if step % self.config.save_every == 0 or step == self.config.max_steps:
-            self.save(step)
+            self.save(step, last=step == self.config.max_steps)
 
     def close(self, step: int) -> None:
         if step != self.saved_step:
-            self.save(step)
+            self.save(step, last=True)
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, last: bool = False) -> None:
+        """Write step's checkpoint; `last`: the run ends with it, so it cannot be skipped with a warning."""
         leader = self.leader
-        save_checkpoint(self.config.output_dir, step, leader.drafter, leader.optimizer, leader.scheduler,
-                        self.batches.state_before(step), self.config.to_dict(), self.config.keep_checkpoints)
+        try:
+            save_checkpoint(self.config.output_dir, step, leader.drafter, leader.optimizer, leader.scheduler,
+                            self.batches.state_before(step), self.config.to_dict(), self.config.keep_checkpoints)
+        except CheckpointWriteError as err:
+            if last or self.config.on_checkpoint_error != "warn":
+                raise
+            warn(f"{err}; the run goes on (on_checkpoint_error=warn), the next save tries again")
+            return
         self.saved_step = step
 
 
@@ -508,6 +520,7 @@ class TrainExit(IntEnum):
     FAILED = 1  # a thread failed (its traceback is in the log)
     BAD_INPUT = 2  # a bad configuration or bad data: one line
     NON_FINITE = 3  # max_bad_steps steps in a row with a non-finite loss or gradient: one line (step, what)
+    CHECKPOINT_WRITE = 4  # a checkpoint could not be written (disk full, read-only, quota): one line (path, why)
     INTERRUPTED = 130  # stopped by Ctrl-C (checkpoint saved), or aborted by a second signal (none)
 
 
@@ -515,6 +528,8 @@ def thread_failure(err: PipelineError) -> tuple[TrainExit, str]:
     """The exit code for a failed pipeline thread, and the line that says why."""
     if isinstance(err.error, NonFiniteSteps):
         return TrainExit.NON_FINITE, str(err.error)
+    if isinstance(err.error, CheckpointWriteError):
+        return TrainExit.CHECKPOINT_WRITE, str(err.error)
     return TrainExit.INTERRUPTED if isinstance(err.error, KeyboardInterrupt) else TrainExit.FAILED, str(err)
 
 
@@ -531,6 +546,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError) as err:
         print(f"error: {err}", file=sys.stderr)
         return TrainExit.BAD_INPUT
+    except CheckpointWriteError as err:  # the run's last checkpoint, saved in this thread
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return TrainExit.CHECKPOINT_WRITE
     except PipelineError as err:  # a thread failed: one line for a known cause, else its traceback and a line
         code, line = thread_failure(err)
         if code in (TrainExit.FAILED, TrainExit.INTERRUPTED):

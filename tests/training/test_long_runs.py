@@ -4,6 +4,8 @@ stopping the run; checkpoints on a full disk; bad data skipped and counted; out 
 from __future__ import annotations
 
 import json
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +28,13 @@ def tiny_args(world, output_dir: Path, *overrides: str) -> list[str]:
 def run_trainer(args: list[str], timeout: int = 180) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "training.train", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=timeout, check=False)
+
+
+def error_line(stderr: str) -> str:
+    """The one `error:` line of a run's stderr."""
+    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, stderr
+    return lines[0]
 
 
 def read_metrics(path: Path) -> dict[int, dict]:
@@ -61,9 +70,89 @@ def test_nan_forever_stops_the_run_with_its_exit_code_and_one_line(tiny_world, t
     result = run_trainer(tiny_args(tiny_world, tmp_path, "max_steps=50", "log_every=1", "max_bad_steps=3",
                                    f"debug_nan_steps={list(range(4, 51))}"))
     assert result.returncode == TrainExit.NON_FINITE == 3, result.stdout + result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert errors == [("error: step 6: non-finite loss (nan); 3 steps in a row skipped (max_bad_steps=3); the "
-                       "weights are those after step 3, the latest checkpoint is intact")]
+    assert error_line(result.stderr) == ("error: step 6: non-finite loss (nan); 3 steps in a row skipped "
+                                         "(max_bad_steps=3); the weights are those after step 3, the latest "
+                                         "checkpoint is intact")
     assert "Traceback" not in result.stderr
     assert max(read_metrics(tmp_path / "metrics.jsonl")) == 6
     assert "done:" not in result.stdout
+
+
+# Checkpoints on a full disk: the checkpoint directory is a small tmpfs in a private mount namespace.
+
+
+def private_mounts_or_skip() -> None:
+    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "--", "true"], capture_output=True,
+                           check=False) if shutil.which("unshare") else None
+    if probe is None or probe.returncode != 0:
+        pytest.skip("needs unshare --mount (root, or user namespaces) for a private tmpfs")
+
+
+@pytest.fixture(scope="module")
+def checkpoint_bytes(tiny_world, tmp_path_factory) -> int:
+    """Bytes of one tiny-preset checkpoint, measured by a 2-step run."""
+    out = tmp_path_factory.mktemp("measure")
+    assert main(tiny_args(tiny_world, out, "max_steps=2", "save_every=2")) == TrainExit.OK
+    return sum(f.stat().st_size for f in (out / "checkpoints" / "step_00000002").iterdir())
+
+
+def run_on_small_disk(tmp_path: Path, size: int, runs: list[list[str]]) -> list[subprocess.CompletedProcess]:
+    """Each trainer run in turn, in one private mount namespace whose <tmp_path>/run/checkpoints is a tmpfs of
+    `size` bytes; before each run after the first, the tmpfs grows to 64 MiB (space freed). Each run's output,
+    exit code and a listing of the checkpoint directory after it come back."""
+    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    lines = ["set -u", f"mount -t tmpfs -o size={size} tmpfs {checkpoints}"]
+    for n, args in enumerate(runs):
+        if n:
+            lines.append(f"mount -o remount,size=64m {checkpoints}")
+        command = shlex.join([sys.executable, "-m", "training.train", *args])
+        lines += [f"{command} > {tmp_path}/out{n} 2> {tmp_path}/err{n}; echo $? > {tmp_path}/rc{n}",
+                  f"ls -A {checkpoints} > {tmp_path}/ls{n}"]
+    subprocess.run(["unshare", "--mount", "--propagation", "private", "--", "bash", "-c", "\n".join(lines)],
+                   cwd=REPO, timeout=600, check=True)
+    return [subprocess.CompletedProcess(args, int((tmp_path / f"rc{n}").read_text()),
+                                        (tmp_path / f"out{n}").read_text(),
+                                        (tmp_path / f"err{n}").read_text() + "\nls: " + (tmp_path / f"ls{n}").read_text())
+            for n, args in enumerate(runs)]
+
+
+def test_a_full_disk_stops_the_run_and_the_earlier_checkpoint_resumes_to_the_end(tiny_world, tmp_path,
+                                                                                  checkpoint_bytes):
+    private_mounts_or_skip()
+    # Room for one checkpoint and the next one's weights, not its state.pt (torch.save's failed write).
+    size = checkpoint_bytes * 3 // 2
+    args = tiny_args(tiny_world, tmp_path / "run", "max_steps=6", "save_every=2", "log_every=1")
+    first, resumed = run_on_small_disk(tmp_path, size, [args, args + ["--resume"]])
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert first.returncode == TrainExit.CHECKPOINT_WRITE == 4, first.stdout + first.stderr
+    assert error_line(first.stderr) == (f"error: cannot write the checkpoint {checkpoints}/step_00000004: "
+                                       "No space left on device (ENOSPC); the earlier checkpoints are intact")
+    assert "Traceback" not in first.stderr
+    assert first.stderr.endswith("ls: step_00000002\n")  # intact, and no temporary directory left
+    assert "done:" not in first.stdout
+
+    assert resumed.returncode == TrainExit.OK, resumed.stdout + resumed.stderr
+    assert f"resumed from {checkpoints}/step_00000002 at step 2" in resumed.stdout
+    assert resumed.stdout.rstrip().endswith("done: 6 steps")
+    assert resumed.stderr.endswith("ls: step_00000004\nstep_00000006\n")
+
+
+def test_warn_goes_on_past_a_checkpoint_it_cannot_write_but_not_past_the_last(tiny_world, tmp_path,
+                                                                              checkpoint_bytes):
+    private_mounts_or_skip()
+    size = checkpoint_bytes * 6 // 5  # room for one checkpoint, not even the next one's weights (safetensors)
+    args = tiny_args(tiny_world, tmp_path / "run", "max_steps=6", "save_every=2", "log_every=1",
+                     "on_checkpoint_error=warn")
+    (result,) = run_on_small_disk(tmp_path, size, [args])
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert result.returncode == TrainExit.CHECKPOINT_WRITE, result.stdout + result.stderr
+    assert (f"warning: cannot write the checkpoint {checkpoints}/step_00000004: No space left on device (ENOSPC); "
+            "the earlier checkpoints are intact; the run goes on (on_checkpoint_error=warn), the next save tries "
+            "again") in result.stderr
+    assert "step 6/6" in result.stdout  # it went on
+    assert error_line(result.stderr) == (f"error: cannot write the checkpoint {checkpoints}/step_00000006: "
+                                       "No space left on device (ENOSPC); the earlier checkpoints are intact")
+    assert result.stderr.endswith("ls: step_00000002\n")
