@@ -34,6 +34,7 @@ class TrainConfig:
     output_dir: str = "runs/dflash"
     build_tiny: bool = False  # build the tiny random Qwen3 target and its data at the paths above if missing
     overwrite_output: bool = False  # a fresh run may delete an earlier run's checkpoints in output_dir
+    skip_bad_data: bool = False  # skip data lines that are not conversations (counted in the log) instead of exit 2
 
     # Optimisation (the paper's recipe by default).
     max_steps: int = 1000

@@ -43,13 +43,16 @@ class Batch:
                      self.block_valid.to(device), self.num_tokens)
 
 
-def load_conversations(path: str) -> list[list[dict]]:
-    """Read JSONL lines of {"messages": [{"role": .., "content": ..}, ..]}; one-line errors with file:line."""
+def load_conversations(path: str, skipped: list[str] | None = None) -> list[list[dict]]:
+    """Read JSONL lines of {"messages": [{"role": .., "content": ..}, ..]}. A bad line (not JSON, not UTF-8, no
+    messages) is a one-line DataError with file:line; when `skipped` is given, it is left out instead and that
+    line appended to `skipped`."""
     file = Path(path).expanduser()
     if not file.is_file():
         raise DataError(f"data file not found: {file}")
     conversations = []
-    for number, line in enumerate(file.read_text().splitlines(), 1):
+    # Lines split as bytes: one that is not UTF-8 is one bad line, and U+2028 inside a string splits nothing.
+    for number, line in enumerate(file.read_bytes().splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -57,7 +60,11 @@ def load_conversations(path: str) -> list[list[dict]]:
             if not all(isinstance(m["role"], str) and isinstance(m["content"], str) for m in messages):
                 raise TypeError("role and content must be strings")
         except (ValueError, KeyError, TypeError) as err:
-            raise DataError(f"{file}:{number}: not a {{\"messages\": [{{\"role\", \"content\"}}]}} line ({err})")
+            problem = f"{file}:{number}: not a {{\"messages\": [{{\"role\", \"content\"}}]}} line ({err})"
+            if skipped is None:
+                raise DataError(problem) from None
+            skipped.append(problem)
+            continue
         conversations.append(messages)
     return conversations
 

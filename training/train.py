@@ -260,14 +260,19 @@ def load_targets(config: TrainConfig, devices: list[torch.device], dtype: torch.
 
 def load_data(config: TrainConfig, tokenizer) -> tuple[BatchStream, list[list[dict]]]:
     """The training micro-batches, and the held-out conversations evaluation drafts on (eval_data_path, else
-    the tail of the training data)."""
-    conversations = load_conversations(config.data_path)
+    the tail of the training data). Bad lines stop the run, or with skip_bad_data are skipped; they and the
+    conversations the recipe drops (under 2 x block_size loss tokens) are counted in one line."""
+    skipped = [] if config.skip_bad_data else None
+    conversations = load_conversations(config.data_path, skipped)
     if config.eval_data_path:
-        held_out = load_conversations(config.eval_data_path)[: config.eval_prompts]
+        held_out = load_conversations(config.eval_data_path, skipped)[: config.eval_prompts]
     else:
         cut = max(len(conversations) - config.eval_prompts, 0)
         conversations, held_out = conversations[:cut], conversations[cut:]
     sequences = prepare_sequences(tokenizer, conversations, config.max_length, config.block_size)
+    first = f" (first: {skipped[0]})" if skipped else ""
+    say(f"data: {len(sequences):,} conversations, {len(skipped or []):,} bad lines skipped{first}, "
+        f"{len(conversations) - len(sequences):,} too short dropped (under {2 * config.block_size} loss tokens)")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     stream = BatchStream(sequences, config.micro_batch_rows(), config.buckets(), config.block_size,
                          config.num_anchors, pad_id, config.seed)

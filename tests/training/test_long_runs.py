@@ -156,3 +156,42 @@ def test_warn_goes_on_past_a_checkpoint_it_cannot_write_but_not_past_the_last(ti
     assert error_line(result.stderr) == (f"error: cannot write the checkpoint {checkpoints}/step_00000006: "
                                        "No space left on device (ENOSPC); the earlier checkpoints are intact")
     assert result.stderr.endswith("ls: step_00000002\n")
+
+
+# Bad data.
+
+SHAPE = 'not a {"messages": [{"role", "content"}]} line'
+
+
+def data_with_bad_lines(world, tmp_path: Path) -> Path:
+    """The tiny world's training data with bad lines at 3, 5 and 6 and two too short conversations."""
+    good = world.train.read_text().splitlines()
+    short = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]})
+    lines = good[:2] + ["{not json"] + good[2:3] + ['{"text": "no messages"}', '{"messages": 7}', short, short]
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(lines + good[3:]) + "\n")
+    return path
+
+
+def test_bad_data_stops_the_run_with_file_and_line(tiny_world, tmp_path, capsys):
+    data = data_with_bad_lines(tiny_world, tmp_path)
+    assert main(tiny_args(tiny_world, tmp_path / "run", f"data_path={data}")) == TrainExit.BAD_INPUT == 2
+    assert capsys.readouterr().err.startswith(f"error: {data}:3: {SHAPE} (Expecting property name")
+
+
+def test_skip_bad_data_skips_and_counts_bad_lines_and_too_short_conversations(tiny_world, tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    from training.data import load_conversations, prepare_sequences
+
+    data = data_with_bad_lines(tiny_world, tmp_path)
+    args = tiny_args(tiny_world, tmp_path / "run", f"data_path={data}", "skip_bad_data=true", "max_steps=2")
+    assert main(args) == TrainExit.OK
+    tokenizer = AutoTokenizer.from_pretrained(tiny_world.target)
+    clean = load_conversations(str(tiny_world.train))
+    kept = len(prepare_sequences(tokenizer, clean, max_length=96, block_size=8))  # the tiny preset's shapes
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("data:")]
+    why = "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"
+    dropped = len(clean) - kept + 2
+    assert lines == [f"data: {kept:,} conversations, 3 bad lines skipped (first: {data}:3: {SHAPE} ({why})), "
+                     + f"{dropped} too short dropped (under 16 loss tokens)"]
