@@ -116,14 +116,18 @@ class Utilisation:
 
 
 class PipelineError(RuntimeError):
-    """A pipeline thread failed (or the pipeline stalled); carries that thread's formatted traceback."""
+    """A pipeline thread failed (or the pipeline stalled); carries that thread's formatted traceback, its device
+    and the micro-batch it was working on (None outside one: warm-up, the step boundary)."""
 
-    def __init__(self, thread: str, error: BaseException, still_running: Sequence[str] = ()):
+    def __init__(self, thread: str, error: BaseException, still_running: Sequence[str] = (),
+                 device: torch.device | None = None, batch: Any = None):
         super().__init__(f"{thread} failed: {type(error).__name__}: {error}")
         self.thread = thread
         self.error = error
         self.traceback_text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
         self.still_running = list(still_running)
+        self.device = device
+        self.batch = batch
 
 
 class PipelineStalled(RuntimeError):
@@ -393,6 +397,9 @@ class Pipeline:
         self.target_names = [f"target{i}" for i in range(len(config.target_devices))]
         self.drafter_names = [f"drafter{i}" for i in range(len(config.drafter_devices))]
         self._clocks = _BusyClocks(self.target_names + self.drafter_names)
+        self._devices = dict(zip(self.target_names + self.drafter_names,
+                                 [*config.target_devices, *config.drafter_devices]))
+        self._in_hand: dict[str, Any] = {}  # thread -> the micro-batch (from the source) it works on now
         self._error: tuple[str, BaseException] | None = None
         self._error_lock = threading.Lock()
         self._stop_requested = False
@@ -463,7 +470,8 @@ class Pipeline:
         self._supervise(threads, stop)
         if self._error is not None:
             thread, error = self._error
-            raise PipelineError(thread, error, [t.name for t in threads if t.is_alive()])
+            raise PipelineError(thread, error, [t.name for t in threads if t.is_alive()], self._devices.get(thread),
+                                self._in_hand.get(thread))
         return RunResult(self._steps_done, stopped=self._stop_requested and self._steps_done < self._max_steps)
 
     def _supervise(self, threads: list[threading.Thread], stop: Callable[[], str | None] | None) -> None:
@@ -544,8 +552,10 @@ class Pipeline:
         self._warm_up_and_meet(worker)
         while (claim := self._handoff.claim_for_target()) is not None:
             key, batch = claim
+            self._in_hand[name] = batch
             with self._busy(name, stream), torch.no_grad():
                 features = worker.features(batch)
+            del self._in_hand[name]
             self._handoff.publish(key, (features, batch))
 
     def _drafter_loop(self, name: str, device: torch.device, stream, index: int) -> None:
@@ -559,6 +569,7 @@ class Pipeline:
                 item = self._handoff.take((step, micro))
                 if item is None:
                     break
+                self._in_hand[name] = item[1]  # the source's batch (its features are the target's output)
                 with self._busy(name, stream):
                     features, batch = move_to_device(item, device)
                     output = worker.loss(features, batch)
@@ -567,7 +578,7 @@ class Pipeline:
                     for key, value in {"loss": loss, **metrics}.items():
                         sums[key] = sums[key] + value.detach() if key in sums else value.detach().float()
                 # Only now, with this stream synchronized, may the target's tensors be freed.
-                del item, features, batch, output, loss
+                del item, features, batch, output, loss, self._in_hand[name]
                 self._handoff.mark_done(step)
             self._step_sums[index] = sums
             self._step_barrier.wait()

@@ -180,6 +180,7 @@ def test_a_failing_thread_stops_the_whole_pipeline(where, options):
     assert time.monotonic() - start < 10
     assert isinstance(caught.value.error, ToyFailure)
     assert caught.value.thread.startswith(where)
+    assert caught.value.device == CPU and caught.value.batch["n"] == options[f"{where}_options"]["fail_at"]
     assert "ToyFailure" in caught.value.traceback_text and "pipeline_toys.py" in caught.value.traceback_text
     assert caught.value.still_running == []
     assert not [t for t in threading.enumerate() if t.name.startswith(("target", "drafter"))]
@@ -202,6 +203,7 @@ def test_a_failing_warm_up_releases_the_threads_waiting_at_the_barrier():
     with pytest.raises(PipelineError, match="no compile today") as caught:
         pipeline.run()
     assert caught.value.thread == "drafter1" and len(warmed) == 2
+    assert caught.value.batch is None  # outside a micro-batch
 
 
 def test_replicas_must_start_identical():
