@@ -10,11 +10,13 @@ then exit 1. A step whose loss or summed gradient is not finite is skipped (no o
 the data moves on) and counted; `max_bad_steps` of them in a row stop the run: one line naming the step and
 what was not finite, exit 3. A checkpoint that cannot be written (disk full, read-only, over quota) leaves the
 earlier ones intact and stops the run: one line naming its path and the cause, exit 4; with
-on_checkpoint_error=warn a periodic one is a warning instead, and the run goes on. `main` alone turns how the
-run ended into the exit code, one of TrainExit:
+on_checkpoint_error=warn a periodic one is a warning instead, and the run goes on. Out of memory in a stage
+stops every thread: one line naming the stage, device, shapes and the keys that lower memory, exit 5. `main`
+alone turns how the run ended into the exit code, one of TrainExit:
 
-    0 done, or stopped by SIGTERM     2 bad configuration or data                 4 a checkpoint write failed
-    1 a thread failed (traceback)     3 max_bad_steps non-finite steps in a row   130 Ctrl-C, or a 2nd signal
+    0 done, or stopped by SIGTERM     3 max_bad_steps non-finite steps in a row   130 Ctrl-C, or a 2nd signal
+    1 a thread failed (traceback)     4 a checkpoint could not be written
+    2 bad configuration or data       5 out of memory in a stage
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import dataclasses
 import itertools
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -526,15 +529,35 @@ class TrainExit(IntEnum):
     BAD_INPUT = 2  # a bad configuration or bad data: one line
     NON_FINITE = 3  # max_bad_steps steps in a row with a non-finite loss or gradient: one line (step, what)
     CHECKPOINT_WRITE = 4  # a checkpoint could not be written (disk full, read-only, quota): one line (path, why)
+    OUT_OF_MEMORY = 5  # a stage ran out of device memory: one line (stage, device, shapes, the keys to lower)
     INTERRUPTED = 130  # stopped by Ctrl-C (checkpoint saved), or aborted by a second signal (none)
 
 
-def thread_failure(err: PipelineError) -> tuple[TrainExit, str]:
+def out_of_memory_line(err: PipelineError, config: TrainConfig) -> str:
+    """Which stage ran out of memory, where, on what shapes, and what lowers it."""
+    stage = err.thread.rstrip("0123456789")  # "target1" -> the target stage
+    batch = err.batch
+    if isinstance(batch, Batch):
+        rows, length = batch.input_ids.shape
+        shapes = f"a micro-batch of {rows} rows x {length} tokens (length bucket), {batch.anchors.shape[1]} anchors"
+    else:
+        shapes = "no micro-batch (warm-up, or the step's update, evaluation or checkpoint)"
+    tried = re.search(r"Tried to allocate [\d.]+ \w+", str(err.error))  # CUDA's message says how much
+    keys = [f"micro_batch_size ({config.micro_batch_rows()})", f"max_length ({config.max_length}, and length_buckets)"]
+    if stage != "target":  # the target's memory does not depend on the drafter's blocks
+        keys += [f"num_anchors ({config.num_anchors})", f"loss_chunk_size ({config.loss_chunk_size})"]
+    return (f"out of memory in the {stage} stage ({err.thread} on {err.device}) on {shapes}"
+            f"{f' ({tried[0]})' if tried else ''}; lower {', '.join(keys[:-1])} or {keys[-1]}")
+
+
+def thread_failure(err: PipelineError, config: TrainConfig) -> tuple[TrainExit, str]:
     """The exit code for a failed pipeline thread, and the line that says why."""
     if isinstance(err.error, NonFiniteSteps):
         return TrainExit.NON_FINITE, str(err.error)
     if isinstance(err.error, CheckpointWriteError):
         return TrainExit.CHECKPOINT_WRITE, str(err.error)
+    if isinstance(err.error, torch.OutOfMemoryError):
+        return TrainExit.OUT_OF_MEMORY, out_of_memory_line(err, config)
     return TrainExit.INTERRUPTED if isinstance(err.error, KeyboardInterrupt) else TrainExit.FAILED, str(err)
 
 
@@ -555,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return TrainExit.CHECKPOINT_WRITE
     except PipelineError as err:  # a thread failed: one line for a known cause, else its traceback and a line
-        code, line = thread_failure(err)
+        code, line = thread_failure(err, config)
         if code in (TrainExit.FAILED, TrainExit.INTERRUPTED):
             print(err.traceback_text, end="", file=sys.stderr)
         print(f"error: {line}", file=sys.stderr, flush=True)

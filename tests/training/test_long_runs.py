@@ -4,10 +4,13 @@ stopping the run; checkpoints on a full disk; bad data skipped and counted; out 
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -195,3 +198,64 @@ def test_skip_bad_data_skips_and_counts_bad_lines_and_too_short_conversations(ti
     dropped = len(clean) - kept + 2
     assert lines == [f"data: {kept:,} conversations, 3 bad lines skipped (first: {data}:3: {SHAPE} ({why})), "
                      + f"{dropped} too short dropped (under 16 loss tokens)"]
+
+
+# Out of memory: torch.OutOfMemoryError raised inside a stage, with several threads of each.
+
+THREADS = ['target_devices=["cpu", "cpu"]', 'drafter_devices=["cpu", "cpu"]', "micro_batch_size=2"]
+
+
+class OutOfMemoryInBackward(torch.autograd.Function):
+    """Passes the loss through; its backward runs out of memory, as a drafter's backward on a GPU can."""
+
+    @staticmethod
+    def forward(ctx, loss):
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity")
+
+
+def pipeline_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith(("target", "drafter"))]
+
+
+@pytest.mark.parametrize("stage", ["target", "drafter"])
+def test_out_of_memory_in_a_stage_stops_every_thread_with_one_line(tiny_world, tmp_path, capsys, monkeypatch,
+                                                                 stage):
+    from training import train
+
+    calls = []
+    if stage == "target":
+        features = train.TargetReplica.features
+
+        def out_of_memory(self, batch):
+            calls.append(batch)
+            if len(calls) == 7:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total")
+            return features(self, batch)
+
+        monkeypatch.setattr(train.TargetReplica, "features", out_of_memory)
+    else:
+        loss = train.DrafterReplica.loss
+
+        def out_of_memory(self, features, batch):
+            value, metrics = loss(self, features, batch)
+            calls.append(batch)
+            return (OutOfMemoryInBackward.apply(value) if len(calls) == 7 else value), metrics
+
+        monkeypatch.setattr(train.DrafterReplica, "loss", out_of_memory)
+
+    start = time.monotonic()
+    assert main(tiny_args(tiny_world, tmp_path, *THREADS, "max_steps=1000")) == TrainExit.OUT_OF_MEMORY == 5
+    assert time.monotonic() - start < 120
+    assert pipeline_threads() == []
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    keys = ("lower micro_batch_size (2) or max_length (96, and length_buckets)" if stage == "target" else
+            "lower micro_batch_size (2), max_length (96, and length_buckets), num_anchors (8) or loss_chunk_size (256)")
+    tried = "2.00 GiB" if stage == "target" else "20.00 MiB"
+    assert re.fullmatch(rf"error: out of memory in the {stage} stage \({stage}[01] on cpu\) on a micro-batch of 2 "
+                        rf"rows x (64|96) tokens \(length bucket\), 8 anchors \(Tried to allocate {tried}\); "
+                        + re.escape(keys), error_line(err)), err
