@@ -97,8 +97,8 @@ class _KeepWriteError:
             self.error = err
             raise
 
-    def flush(self) -> None:
-        self.file.flush()
+    def __getattr__(self, name: str):  # flush, seek, tell: the file's own
+        return getattr(self.file, name)
 
 
 def _save_state(state: dict, path: Path) -> None:
