@@ -9,6 +9,7 @@ import inspect
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -249,6 +250,37 @@ def kill(
     number, signal_name = parse_run_ref(run), parse_signal(signal)
     with commands.connected(resolve(flags), stats) as ct:
         render.kill_result(commands.kill(ct, number, signal_name, grace, notify=render.message))
+    return ExitCode.OK
+
+
+@app.command()
+@with_target
+def pull(
+    flags: TargetFlags,
+    stats: ssh.Stats,
+    dest: Annotated[str | None, typer.Argument(metavar="DEST", show_default=False,
+                                               help="where the files go: a directory (export, checkpoint), a "
+                                                    "file or a directory (metrics)")] = None,
+    run: RunOpt = None,
+    what: Annotated[commands.PullWhat, typer.Option(help="the run's export (made from its newest checkpoint "
+                                                         "when it has none), its newest checkpoint, or its "
+                                                         "metrics file")] = commands.PullWhat.EXPORT,
+    with_optimizer: Annotated[bool, typer.Option("--with-optimizer", help="with --what checkpoint: state.pt "
+                                                 "too (optimizer, schedule, data position)")] = False,
+    json_: JsonOpt = False,
+) -> int:
+    """Copy a run's export, newest checkpoint or metrics to DEST over SSH, every file checked by sha256; an
+    interrupted pull leaves nothing at DEST, and running it again continues where it stopped."""
+    if dest is None:  # one positional argument is DEST, not TARGET
+        flags, dest = replace(flags, target=None), flags.target
+    if dest is None:
+        raise usage_error("missing DEST (see gpuctl pull --help)")
+    destination = commands.pull_destination(dest, what, with_optimizer)
+    progress = None if json_ else (lambda total: render.TransferProgress(total, "pulling"))
+    with commands.connected(resolve(flags), stats) as ct:
+        result = commands.pull(ct, parse_run_ref(run), what, destination, with_optimizer, notify=render.message,
+                               progress=progress)
+    render.pull_result(result, as_json=json_)
     return ExitCode.OK
 
 

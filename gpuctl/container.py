@@ -65,8 +65,9 @@ class Container:
         remote.send(self.script(template, **values).encode())
         return remote
 
-    def finish(self, remote: RemoteCommand) -> Completed:
-        return self._checked(remote.finish())
+    def finish(self, remote: RemoteCommand, on_stdout: Callable[[bytes], None] | None = None) -> Completed:
+        """The rest of a conversing script: its output (to on_stdout as it arrives, when given) and exit code."""
+        return self._checked(remote.finish(on_stdout))
 
     def reconnect(self, within_s: float) -> None:
         """A new connection in place of a lost one, retried with backoff for up to within_s seconds."""

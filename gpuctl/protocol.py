@@ -2,7 +2,7 @@
 
 A script reports through `emit NAME VALUE` (templates/lib.sh.j2): one length-prefixed section on stdout,
 `@@NAME LENGTH\\nVALUE\\n`, so a value may hold any bytes; each script's sections are read into one typed
-reply here (LaunchReply, Inspection, KillReply, MetricsChain). Its exit code is 0, or one of ScriptExit, which
+reply here (LaunchReply, Inspection, KillReply, MetricsChain, PullReply). Its exit code is 0, or one of ScriptExit, which
 the templates receive as `exits` (scripts.render): the numbers are written here and nowhere else. Lines on
 stderr that start with `@@` are markers (logs.sh's follow header and heartbeat), never messages.
 """
@@ -27,6 +27,7 @@ class ScriptExit(IntEnum):
     ACTIVE = 76  # at gpuctl's go, a run is active after all (one started since the report)
     NO_PYTHON = 77  # the launch's --python is not in the container
     NO_RUN = 78  # no such run (or no run at all) in the container: its stderr line says which
+    NOTHING = 79  # pull.sh: the run has nothing of what was asked (no export nor checkpoint): its stderr line says what
 
 
 def parse_sections(data: bytes) -> list[tuple[str, bytes]]:
@@ -187,3 +188,49 @@ def parse_follow_start(stderr: bytes) -> FollowStart | None:
     """The header, once stderr holds it."""
     m = FOLLOW_HEADER.search(stderr)
     return FollowStart(int(m[1]), int(m[2])) if m else None
+
+
+# pull.sh: a conversation. It says where the run's files are (PullReply) up to PULL_LOCATED, and when it must make
+# the export first, from which checkpoint (then it runs training.export); then the files' manifest up to
+# PULL_WAITING. It reads gpuctl's request (pull_request) and sends the asked files' bytes back to back, in the order
+# asked, from each one's offset to the size it reported: gpuctl frames them by those sizes.
+PULL_LOCATED = section("located", b"")
+PULL_WAITING = section("waiting", b"")
+
+
+class RemoteFile(NamedTuple):
+    """A file pull.sh offers: its name under the source directory, its size and sha256 when it was opened."""
+
+    name: str
+    size: int
+    sha256: str
+
+
+def pull_request(wanted: list[tuple[int, int]]) -> bytes:
+    """`INDEX OFFSET` for each file wanted (its index in the manifest, the first byte to send), an empty line."""
+    return b"".join(f"{index} {offset}\n".encode() for index, offset in wanted) + b"\n"
+
+
+@dataclass(frozen=True)
+class PullReply:
+    """What pull.sh said: the run, where its files come from, and (once it reached PULL_WAITING) the manifest."""
+
+    run: Run | None = None
+    output_dir: str | None = None  # what the run's trainer said at its start (not for metrics)
+    source: str | None = None  # the directory the files are in (the metrics file itself for metrics)
+    export_from: str | None = None  # the checkpoint an export is being made from for this pull, if one is
+    files: list[RemoteFile] = field(default_factory=list)
+
+    @classmethod
+    def parse(cls, data: bytes) -> PullReply:
+        sections = dict(parse_sections(data))
+        run = None
+        if "run" in sections:
+            run = Run(number=int(sections["run"]), record=json.loads(sections.get("record") or b"{}"), alive=False)
+        files = []
+        for line in sections.get("manifest", b"").decode(errors="surrogateescape").splitlines():
+            size, sha256, name = line.split(" ", 2)
+            files.append(RemoteFile(name, int(size), sha256))
+        text = {name: sections[name].decode(errors="surrogateescape") for name in ("output_dir", "source",
+                                                                                  "export_from") if name in sections}
+        return cls(run=run, files=files, **text)

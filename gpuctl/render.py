@@ -18,7 +18,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColu
 from rich.table import Table
 from rich.text import Text
 
-from gpuctl.commands import KillResult, LaunchResult, StatusReport
+from gpuctl.commands import KillResult, LaunchResult, PullResult, StatusReport
 from gpuctl.runs import Run, State
 
 SPARK = "▁▂▃▄▅▆▇█"
@@ -260,3 +260,20 @@ def kill_result(result: KillResult) -> None:
 
 def run_ended(run: Run) -> None:
     message(f"{run.run_id} ended: {run.state.value}, exit {run.exit_code}")
+
+
+def pull_result(result: PullResult, as_json: bool) -> None:
+    if as_json:
+        json_doc(result.to_json())
+        return
+    o = result.outcome
+    count = len(o.files)
+    made = f", exported now from {result.export_from.rsplit('/', 1)[-1]}" if result.export_from else ""
+    parts = [f"sent {size(o.sent)}"]
+    if o.resumed:
+        parts.append(f"{size(o.resumed)} resumed from an earlier pull")
+    if o.skipped:
+        parts.append(f"{size(o.skipped)} already there")
+    _console(stderr=False).print(Text(
+        f"pulled {result.run.run_id}'s {result.what.value} ({count} file{'s' * (count != 1)}, {size(o.total)}"
+        f"{made}) to {result.dest}: {', '.join(parts)}; every file's sha256 matches the container's"))

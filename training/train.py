@@ -54,7 +54,7 @@ from training.data import Batch, BatchStream, DataError, eval_prompts, load_conv
 from training.evaluate import acceptance_length, build_eval_set
 from training.export import export_run
 from training.mask import build_block_mask
-from training.metrics import MetricsLog, metrics_path, say, warn
+from training.metrics import MetricsLog, announce_output_dir, metrics_path, say, warn
 from training.model import Drafter, DrafterConfig
 from training.pipeline import Pipeline, PipelineConfig, PipelineError, RunResult, StepReport, Utilisation
 from training.step import compute_dtype, drafter_stage
@@ -566,6 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         config = load_config(args.config, args.set)
+        announce_output_dir(config.output_dir)  # for `gpuctl pull`
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # progress bars would fill the run's log file with carriage returns

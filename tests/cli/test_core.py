@@ -100,7 +100,9 @@ def test_scripts_exit_with_the_one_definition_of_their_codes():
         {code.name for code in ScriptExit}
     rendered = (scripts.render("logs.sh", records_dir="/r", run_number=0, follow=False, lines=None, offset=0,
                                heartbeat_s=5)
-                + commands.plan_launch(target.Target(host="h", ct=200), commands.LaunchOptions()))
+                + commands.plan_launch(target.Target(host="h", ct=200), commands.LaunchOptions())
+                + scripts.render("pull.sh", records_dir="/r", stage_dir="/s", what="export", skip="", run_number=0,
+                                 reply_timeout=5))
     for code in ScriptExit:
         assert f"exit {int(code)}" in rendered, code
 
