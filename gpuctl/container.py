@@ -19,6 +19,8 @@ from gpuctl.target import Target
 
 RECORDS_DIR = "/workspace/.gpuctl"
 STAGE_DIR = "/root/gpuctl"
+# The interpreter `gpuctl setup` made (one line, its path): launch and doctor use it when --python is not given.
+INTERPRETER_FILE = f"{STAGE_DIR}/interpreter"
 PCT_MISSING = re.compile(r"Configuration file '\S+/lxc/(\d+)\.conf' does not exist")
 PCT_NOT_RUNNING = re.compile(r"container '(\d+)' not running")
 

@@ -70,6 +70,8 @@ class LaunchReply:
     """What launch.sh said: its report under the lock (up to LAUNCH_WAITING), or what it said after the answer."""
 
     holder: str | None = None  # who holds the launch lock (exit LOCKED)
+    python: str | None = None  # the interpreter the run will use (exit NO_PYTHON: the one not found)
+    python_from: str | None = None  # where that came from: "option" (--python), "recorded" (gpuctl setup's), "default"
     recovered: str | None = None  # the holder this launch took the lock over from (it overran its deadline)
     active: list[Run] = field(default_factory=list)  # the runs alive in the container (exit ACTIVE after go)
     manifest: dict[str, str] = field(default_factory=dict)  # the staged package's files: {name: sha256}
@@ -84,7 +86,7 @@ class LaunchReply:
                 numbers.append(int(value))
             elif name == "active_record":
                 records.append(json.loads(value or b"{}"))
-            elif name in ("holder", "recovered"):
+            elif name in ("holder", "recovered", "python", "python_from"):
                 found[name] = value.decode(errors="replace")
             elif name == "manifest":
                 found[name] = parse_manifest(value)
@@ -234,3 +236,73 @@ class PullReply:
         text = {name: sections[name].decode(errors="surrogateescape") for name in ("output_dir", "source",
                                                                                   "export_from") if name in sections}
         return cls(run=run, files=files, **text)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What the interpreter said of itself in one start (templates/probe.py.j2)."""
+
+    version: str  # Python's, e.g. "3.11.7"
+    executable: str
+    prefix: str  # a virtual environment's directory, or the installation's
+    packages: dict[str, dict[str, str | None]]  # distribution -> {"version", "error"} (error: the import failed)
+    torch: dict[str, Any] | None  # version, cuda (None: a CPU-only build), available, device_count; None: no torch
+    output_dir: dict[str, Any] | None  # the last training run's: run, path, free, total (or error); None: no run
+
+    @classmethod
+    def parse(cls, data: bytes) -> Probe | None:
+        """The report on the output's last line; None when the interpreter gave none."""
+        lines = data.decode(errors="replace").strip().splitlines()
+        try:
+            doc = json.loads(lines[-1]) if lines else None
+        except ValueError:
+            return None
+        if not isinstance(doc, dict) or "version" not in doc:
+            return None
+        return cls(version=doc["version"], executable=doc.get("executable", ""), prefix=doc.get("prefix", ""),
+                   packages=doc.get("packages", {}), torch=doc.get("torch"), output_dir=doc.get("output_dir"))
+
+
+@dataclass(frozen=True)
+class DoctorReply:
+    """What doctor.sh found in the container; gpuctl/doctor.py makes the checks of it."""
+
+    python: str  # the interpreter it checked
+    python_from: str  # "option" (--python), "recorded" (gpuctl setup's), "default" (python3)
+    python_found: bool
+    probe: Probe | None  # None: the interpreter is missing, or gave no report (probe_error says what it said)
+    probe_error: str
+    active: list[Run]  # the runs alive in the container
+    last_run: dict[str, Any] | None  # the record of the last training run
+    workspace: tuple[int, int] | None  # /workspace's (free, total) bytes; None: no /workspace
+    compile_cache_bytes: int | None  # /tmp/torchinductor_root's size; None: there is none
+    gpus_csv: bytes | None  # nvidia-smi's GPU table (commands.parse_gpus reads it); None: no nvidia-smi
+    smi: str  # the start of nvidia-smi's own output: the driver's version, and the CUDA version it supports
+
+    @classmethod
+    def parse(cls, data: bytes) -> DoctorReply:
+        found: dict[str, bytes] = {}
+        numbers, records = [], []
+        for name, value in parse_sections(data):
+            if name == "active":
+                numbers.append(int(value))
+            elif name == "active_record":
+                records.append(json.loads(value or b"{}"))
+            else:
+                found[name] = value
+        text = {k: v.decode(errors="replace") for k, v in found.items()}
+        df = text.get("workspace", "").split()
+        workspace = (int(df[3]), int(df[1])) if len(df) >= 4 and df[1].isdigit() and df[3].isdigit() else None
+        cache = text.get("compile_cache", "").strip()
+        python_found = text.get("python_found") == "1"
+        probe = Probe.parse(found.get("probe", b"")) if python_found else None
+        error = ""
+        if python_found and probe is None:
+            said = (text.get("probe_stderr", "").strip() or text.get("probe", "").strip()).splitlines()
+            error = f"exit {text.get('probe_rc', '?')}" + (f": {said[-1]}" if said else "")
+        return cls(python=text.get("python", ""), python_from=text.get("python_from", ""),
+                   python_found=python_found, probe=probe, probe_error=error,
+                   active=[Run(number=n, record=r, alive=True) for n, r in zip(numbers, records)],
+                   last_run=json.loads(found["last_run"]) if found.get("last_run") else None,
+                   workspace=workspace, compile_cache_bytes=int(cache) if cache.isdigit() else None,
+                   gpus_csv=found.get("gpus"), smi=text.get("smi", ""))

@@ -27,6 +27,7 @@ import dataclasses
 import itertools
 import math
 import os
+import platform
 import re
 import shutil
 import signal
@@ -50,7 +51,7 @@ from training.checkpoint import (
 )
 from training.compile import AttentionShape, SharedFlexAttention, projected_qkv
 from training.config import ConfigError, TrainConfig, load_config, parse_devices
-from training.data import Batch, BatchStream, DataError, eval_prompts, load_conversations, prepare_sequences
+from training.data import Batch, BatchStream, DataError, eval_prompts
 from training.evaluate import acceptance_length, build_eval_set
 from training.export import export_run
 from training.mask import build_block_mask
@@ -59,6 +60,7 @@ from training.model import Drafter, DrafterConfig
 from training.pipeline import Pipeline, PipelineConfig, PipelineError, RunResult, StepReport, Utilisation
 from training.step import compute_dtype, drafter_stage
 from training.target import Target
+from training.tokenized import load_training_data
 
 
 class StopRequest:
@@ -265,17 +267,8 @@ def load_data(config: TrainConfig, tokenizer) -> tuple[BatchStream, list[list[di
     """The training micro-batches, and the held-out conversations evaluation drafts on (eval_data_path, else
     the tail of the training data). Bad lines stop the run, or with skip_bad_data are skipped; they and the
     conversations the recipe drops (under 2 x block_size loss tokens) are counted in one line."""
-    skipped = [] if config.skip_bad_data else None
-    conversations = load_conversations(config.data_path, skipped)
-    if config.eval_data_path:
-        held_out = load_conversations(config.eval_data_path, skipped)[: config.eval_prompts]
-    else:
-        cut = max(len(conversations) - config.eval_prompts, 0)
-        conversations, held_out = conversations[:cut], conversations[cut:]
-    sequences = prepare_sequences(tokenizer, conversations, config.max_length, config.block_size)
-    first = f" (first: {skipped[0]})" if skipped else ""
-    say(f"data: {len(sequences):,} conversations, {len(skipped or []):,} bad lines skipped{first}, "
-        f"{len(conversations) - len(sequences):,} too short dropped (under {2 * config.block_size} loss tokens)")
+    data = load_training_data(tokenizer, config, log=say)  # tokenised once, then read from its cache
+    sequences, held_out = data.sequences, data.held_out
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     stream = BatchStream(sequences, config.micro_batch_rows(), config.buckets(), config.block_size,
                          config.num_anchors, pad_id, config.seed)
@@ -322,7 +315,7 @@ class StepLog:
         self.metrics = MetricsLog(metrics_path(config.output_dir), config.max_steps)
         self.evalset = None
         if config.eval_every and held_out:
-            prompts = eval_prompts(target.tokenizer, held_out)
+            prompts = eval_prompts(target.tokenizer, held_out, {"enable_thinking": config.enable_thinking})
             self.evalset = build_eval_set(target, prompts, config.eval_new_tokens, leader.device)
         self.skipped_total = 0  # steps skipped for a non-finite loss or gradient, since this process started
         self._open_window()
@@ -567,6 +560,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, args.set)
         announce_output_dir(config.output_dir)  # for `gpuctl pull`
+        # Which interpreter and torch build run this: the log's first line answers "did it use the right one?"
+        say(f"python {sys.executable} ({platform.python_version()}), torch {torch.__version__} "
+            f"({f'CUDA {torch.version.cuda}' if torch.version.cuda else 'a CPU-only build'})")
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # progress bars would fill the run's log file with carriage returns

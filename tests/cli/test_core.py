@@ -80,7 +80,7 @@ def test_broken_config_file_is_a_usage_error(xdg):
 
 def test_scripts_quote_every_value_and_refuse_missing_ones():
     rendered = scripts.render("run.sh", stage_dir="/root/gpuctl", workdir="/w d", python="py",
-                              config="a'b", sets=["k=$(x)"], resume=False)
+                              module="training.train", config="a'b", sets=["k=$(x)"], resume=False)
     assert "cd '/w d'" in rendered
     assert "--config 'a'\"'\"'b' --set 'k=$(x)'" in rendered
     with pytest.raises(jinja2.UndefinedError):
