@@ -3,7 +3,9 @@
 Each holds the drafter's trainable weights (drafter.safetensors, with config.json describing the drafter) and
 everything a resumed run needs to continue exactly (state.pt: step, optimizer, scheduler, RNG states, data
 position). A checkpoint is written into a temporary directory, fsynced, then renamed into place, so a crash or a
-kill never leaves a half-written one where `latest_checkpoint` would find it.
+kill never leaves a half-written one where `latest_checkpoint` would find it. `keep` deletes old checkpoints only
+after that rename. One that cannot be written (disk full, read-only, over quota) removes its temporary directory
+and raises CheckpointWriteError: every earlier checkpoint is left as it was.
 
 The drafter's config records everything the served format needs (mask_token_id, num_target_layers, the target's
 RoPE parameters), so `python -m training.export` needs nothing but the checkpoint. Checkpoints from before the
@@ -12,7 +14,9 @@ served convention (a learned mask vector instead of the `<|MASK|>` token) are re
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -29,6 +33,16 @@ from training.model import Drafter, DrafterConfig
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 FILES = ("drafter.safetensors", "config.json", "state.pt")
 LEARNED_MASK = "mask_embedding"  # the pre-convention drafter's learned mask vector
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written; nothing of it is left, the earlier ones are intact. One-line message."""
+
+    def __init__(self, path: Path, cause: OSError):
+        name = errno.errorcode.get(cause.errno, "") if cause.errno else ""
+        why = f"{cause.strerror} ({name})" if cause.strerror and name else str(cause)
+        super().__init__(f"cannot write the checkpoint {path}: {why}; the earlier checkpoints are intact")
+        self.path, self.cause = path, cause
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
@@ -69,29 +83,78 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class _KeepWriteError:
+    """A file for torch.save that keeps the OSError of a failed write: torch reports it as a RuntimeError
+    ("unexpected pos"), which loses the cause (ENOSPC, EDQUOT, ...)."""
+
+    def __init__(self, file):
+        self.file, self.error = file, None
+
+    def write(self, data) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def __getattr__(self, name: str):  # flush, seek, tell: the file's own
+        return getattr(self.file, name)
+
+
+def _save_state(state: dict, path: Path) -> None:
+    with open(path, "wb") as file:
+        writer = _KeepWriteError(file)
+        try:
+            torch.save(state, writer)
+        except RuntimeError:
+            if writer.error is None:
+                raise
+            raise writer.error from None
+
+
+def _save_weights(weights: dict[str, torch.Tensor], path: Path) -> None:
+    try:
+        save_file(weights, path)
+    except SafetensorError as err:  # its I/O errors come as text: "... No space left on device (os error 28)"
+        found = re.search(r"\(os error (\d+)\)", str(err))
+        if found is None:
+            raise
+        raise OSError(int(found[1]), os.strerror(int(found[1])), str(path)) from err
+
+
 def save_checkpoint(output_dir: str | Path, step: int, drafter: Drafter, optimizer: torch.optim.Optimizer,
                     scheduler, data_state: dict, config: dict, keep: int) -> Path:
-    """Write step's checkpoint atomically, then keep only the newest `keep` checkpoints."""
+    """Write step's checkpoint atomically, then keep only the newest `keep` checkpoints (deleted only once the
+    new one is complete: written, fsynced and renamed into place). Raises CheckpointWriteError, leaving nothing
+    of the new checkpoint and every earlier one as it was, when it cannot be written."""
     root = checkpoints_dir(output_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    weights = {name: t.detach().float().cpu().contiguous() for name, t in drafter.state_dict().items()}
-    save_file(weights, tmp / "drafter.safetensors")
-    (tmp / "config.json").write_text(json.dumps({"drafter": drafter.config.to_dict(), "train": config}, indent=2))
-    torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "rng": rng_state(), "data": data_state}, tmp / "state.pt")
-    for file in tmp.iterdir():
-        _fsync(file)
-    _fsync(tmp)
-    if final.exists():  # the same step written again (a resumed run): the new one replaces it
-        stale = root / f".stale-{final.name}-{os.getpid()}"
-        os.replace(final, stale)
-        shutil.rmtree(stale)
-    os.replace(tmp, final)
-    _fsync(root)
+    stale = root / f".stale-{final.name}-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        weights = {name: t.detach().float().cpu().contiguous() for name, t in drafter.state_dict().items()}
+        _save_weights(weights, tmp / "drafter.safetensors")
+        (tmp / "config.json").write_text(json.dumps({"drafter": drafter.config.to_dict(), "train": config},
+                                                    indent=2))
+        _save_state({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                     "rng": rng_state(), "data": data_state}, tmp / "state.pt")
+        for file in tmp.iterdir():
+            _fsync(file)
+        _fsync(tmp)
+        if final.exists():  # the same step written again (a resumed run): the new one replaces it
+            os.replace(final, stale)
+        os.replace(tmp, final)
+        _fsync(root)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if stale.exists() and not final.exists():
+            with contextlib.suppress(OSError):
+                os.replace(stale, final)
+        raise CheckpointWriteError(final, err) from err
+    shutil.rmtree(stale, ignore_errors=True)
     for old in list_checkpoints(output_dir)[:-keep]:
         shutil.rmtree(old)
     return final

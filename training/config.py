@@ -18,6 +18,7 @@ except ModuleNotFoundError:  # Python 3.10
 PRESETS_DIR = Path(__file__).parent / "presets"
 DTYPES = ("auto", "bfloat16", "float32")
 ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
+ON_CHECKPOINT_ERROR = ("stop", "warn")
 
 
 class ConfigError(ValueError):
@@ -45,6 +46,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     seed: int = 0
+    max_bad_steps: int = 20  # steps in a row skipped for a non-finite loss or gradient that stop the run (exit 3)
 
     # Shapes.
     max_length: int = 3072
@@ -68,15 +70,19 @@ class TrainConfig:
     log_every: int = 10
     save_every: int = 500
     keep_checkpoints: int = 2
+    on_checkpoint_error: str = "stop"  # a checkpoint that cannot be written: stop (exit 4), or warn and go on
     eval_every: int = 500  # 0 = never; also evaluated before the first step and after the last
     eval_prompts: int = 8
     eval_new_tokens: int = 256
+
+    # Tests only.
+    debug_nan_steps: list[int] = field(default_factory=list)  # steps (numbered as logged) whose loss is made NaN
 
     def validate(self) -> "TrainConfig":
         """Check values beyond their types; returns self."""
         positive = ("max_steps", "batch_size", "max_length", "block_size", "num_anchors", "num_draft_layers",
                     "loss_chunk_size", "log_every", "save_every", "keep_checkpoints", "eval_new_tokens",
-                    "queue_depth")
+                    "queue_depth", "max_bad_steps")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -98,6 +104,9 @@ class TrainConfig:
             raise ConfigError(f"block_size must be >= 2, got {self.block_size}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.on_checkpoint_error not in ON_CHECKPOINT_ERROR:
+            raise ConfigError(f"on_checkpoint_error must be one of {', '.join(ON_CHECKPOINT_ERROR)}, got "
+                              f"{self.on_checkpoint_error!r}")
         if self.attention not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention!r}")
         buckets = self.buckets()
@@ -107,6 +116,8 @@ class TrainConfig:
             raise ConfigError(f"the largest length bucket ({buckets[-1]}) is below max_length ({self.max_length})")
         if self.max_length < 2 * self.block_size + 1:
             raise ConfigError(f"max_length ({self.max_length}) must exceed 2 * block_size ({self.block_size})")
+        if any(step < 1 for step in self.debug_nan_steps):
+            raise ConfigError(f"debug_nan_steps must be step numbers >= 1, got {self.debug_nan_steps}")
         if any(layer < 0 for layer in self.target_layers):
             raise ConfigError(f"target_layers must be layer indices >= 0, got {self.target_layers}")
         for name in ("target_devices", "drafter_devices"):

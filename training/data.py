@@ -70,13 +70,26 @@ def parse_conversation(line: str | bytes, where: str) -> list[dict]:
     return messages
 
 
-def load_conversations(path: str) -> list[list[dict]]:
-    """Read JSONL lines of {"messages": [{"role": .., "content": ..}, ..]}; one-line errors with file:line."""
+def load_conversations(path: str, skipped: list[str] | None = None) -> list[list[dict]]:
+    """Read JSONL lines of {"messages": [{"role": .., "content": ..}, ..]}. A bad line (not JSON, not UTF-8, no
+    messages) is a one-line DataError with file:line; when `skipped` is given, it is left out instead and its
+    error appended to `skipped`."""
     file = Path(path).expanduser()
     if not file.is_file():
         raise DataError(f"data file not found: {file}")
-    return [parse_conversation(line, f"{file}:{number}")
-            for number, line in enumerate(file.read_text().splitlines(), 1) if line.strip()]
+    conversations = []
+    # Lines as bytes, split at newlines only (as the tokenized cache reads them): a line that is not UTF-8 is
+    # one bad line, and U+2028 inside a string splits nothing.
+    for number, line in enumerate(file.read_bytes().split(b"\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            conversations.append(parse_conversation(line, f"{file}:{number}"))
+        except DataError as err:
+            if skipped is None:
+                raise
+            skipped.append(str(err))
+    return conversations
 
 
 def render_chat(tokenizer, messages: list[dict], generation_prompt: bool = False,

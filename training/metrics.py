@@ -3,9 +3,11 @@
 The JSON goes to $GPUCTL_METRICS when set, else <output_dir>/metrics.jsonl. At its start a run also says where
 its output goes, into $GPUCTL_RUN_INFO when set (announce_output_dir). Every record has `step`,
 `total_steps` and `time` (Unix seconds) and `elapsed_s`; training records add `loss`, `lr`, `tokens_per_s`
-(real target tokens per second over the logging window), `accuracy`, `grad_norm`, and from the pipeline
-`busy` (each thread's busy fraction of the window) and `queue_depth` (`mean`, `max`, `bound`); evaluations
-add `acceptance_length`.
+(real target tokens per second over the logging window), `accuracy`, `grad_norm`, `skipped_steps` (steps of
+the window whose update was skipped for a non-finite loss or gradient; `loss` and `accuracy` average the others
+and are left out when there are none, `grad_norm` when the window's last step was skipped) and
+`skipped_steps_total` (since the process started), and from the pipeline `busy` (each thread's busy fraction of
+the window) and `queue_depth` (`mean`, `max`, `bound`); evaluations add `acceptance_length`.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ def format_progress(record: dict) -> str:
     formats = {"loss": "loss {:.4f}", "accuracy": "acc {:.3f}", "lr": "lr {:.2e}", "grad_norm": "grad {:.3f}",
                "tokens_per_s": "tok/s {:.0f}", "acceptance_length": "tau {:.3f}"}
     parts += [fmt.format(record[key]) for key, fmt in formats.items() if record.get(key) is not None]
+    if record.get("skipped_steps"):
+        parts.append(f"skipped {record['skipped_steps']}")
     if record.get("busy"):  # the pipeline's threads: busy fraction of the window, and the queue between them
         busy = " ".join(f"{name} {fraction:.0%}" for name, fraction in record["busy"].items())
         parts.append(f"busy {busy}")
@@ -72,3 +76,8 @@ def format_progress(record: dict) -> str:
 def say(message: str) -> None:
     """A human line on stdout, flushed at once (the log is read through a file while the run goes on)."""
     print(message, file=sys.stdout, flush=True)
+
+
+def warn(message: str) -> None:
+    """Something went wrong and the run goes on: one line on stderr, flushed at once."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)

@@ -5,7 +5,8 @@ thread owns a drafter replica and its optimizer. A global step is M = `micro_bat
 every drafter accumulates the gradients of the micro-batches it took (each loss scaled by 1/M), then at the
 step boundary the gradients are summed across replicas (NCCL through torch.cuda.comm on distinct GPUs, a
 plain sum otherwise), clipped once, and every replica steps its own optimizer on the same gradients, so the
-replicas stay bit-identical.
+replicas stay bit-identical. A step whose loss or summed gradient is not finite updates nothing, on every
+replica alike (they share the sum): its StepReport says what was not finite, and the micro-batches are spent.
 
 What keeps it correct:
 - Order: micro-batch n of the source belongs to step start + n // M, index n % M, whichever thread computes
@@ -26,6 +27,7 @@ What keeps it correct:
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import threading
 import time
@@ -61,7 +63,9 @@ class DrafterWorker(Protocol):
         accuracy); features and batch are already on this replica's device."""
 
     def optimizer_step(self) -> None:
-        """Step the optimizer (and LR schedule) on the gradients the pipeline has put in `.grad`."""
+        """Step the optimizer (and LR schedule) on the gradients the pipeline has put in `.grad`; not called
+        for a step whose loss or gradient is not finite. A worker may also define `parameter_names(self) ->
+        list[str]` (the names of trainable_parameters()), which a report of a non-finite gradient then uses."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +88,7 @@ class StepReport:
     loss: float  # mean micro-batch loss of the step
     grad_norm: float  # total gradient norm before clipping
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # loss companions, averaged alike
+    skipped: str | None = None  # what was not finite ("loss (nan)", "gradient of ..."): no update; else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,14 +116,18 @@ class Utilisation:
 
 
 class PipelineError(RuntimeError):
-    """A pipeline thread failed (or the pipeline stalled); carries that thread's formatted traceback."""
+    """A pipeline thread failed (or the pipeline stalled); carries that thread's formatted traceback, its device
+    and the micro-batch it was working on (None outside one: warm-up, the step boundary)."""
 
-    def __init__(self, thread: str, error: BaseException, still_running: Sequence[str] = ()):
+    def __init__(self, thread: str, error: BaseException, still_running: Sequence[str] = (),
+                 device: torch.device | None = None, batch: Any = None):
         super().__init__(f"{thread} failed: {type(error).__name__}: {error}")
         self.thread = thread
         self.error = error
         self.traceback_text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
         self.still_running = list(still_running)
+        self.device = device
+        self.batch = batch
 
 
 class PipelineStalled(RuntimeError):
@@ -162,8 +171,11 @@ def sum_and_clip_gradients(
             torch._foreach_add_(total, [g.to(devices[0]) for g in replica_grads])
     norm = torch.nn.utils.get_total_norm(total)
     if max_norm is not None:
-        # Same arithmetic as clip_grad_norm_, so one replica here equals a plain single-device step.
-        torch._foreach_mul_(total, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        # Same arithmetic as clip_grad_norm_, so one replica here equals a plain single-device step. A non-finite
+        # norm leaves the sum unclipped, with no sync here: such a step is skipped, and the sum still shows which
+        # gradient was not finite (a NaN factor would make them all NaN).
+        factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_(total, torch.where(torch.isfinite(norm), factor, 1.0))
     if len(grads) == 1:
         return [total], norm
     if distinct_gpus:
@@ -385,6 +397,9 @@ class Pipeline:
         self.target_names = [f"target{i}" for i in range(len(config.target_devices))]
         self.drafter_names = [f"drafter{i}" for i in range(len(config.drafter_devices))]
         self._clocks = _BusyClocks(self.target_names + self.drafter_names)
+        self._devices = dict(zip(self.target_names + self.drafter_names,
+                                 [*config.target_devices, *config.drafter_devices]))
+        self._in_hand: dict[str, Any] = {}  # thread -> the micro-batch (from the source) it works on now
         self._error: tuple[str, BaseException] | None = None
         self._error_lock = threading.Lock()
         self._stop_requested = False
@@ -399,6 +414,7 @@ class Pipeline:
         self._step_sums: list[dict[str, torch.Tensor]] = [{} for _ in config.drafter_devices]
         # Written by the leader drafter between the two step barriers, read by every drafter after the second.
         self._plan_complete = False
+        self._plan_skip = False  # the step's loss or summed gradient is not finite: no update
         self._plan_stop_after = False
         self._plan_grads: list[list[torch.Tensor]] = []
         self._report = StepReport(step=start_step, loss=float("nan"), grad_norm=float("nan"))
@@ -454,7 +470,8 @@ class Pipeline:
         self._supervise(threads, stop)
         if self._error is not None:
             thread, error = self._error
-            raise PipelineError(thread, error, [t.name for t in threads if t.is_alive()])
+            raise PipelineError(thread, error, [t.name for t in threads if t.is_alive()], self._devices.get(thread),
+                                self._in_hand.get(thread))
         return RunResult(self._steps_done, stopped=self._stop_requested and self._steps_done < self._max_steps)
 
     def _supervise(self, threads: list[threading.Thread], stop: Callable[[], str | None] | None) -> None:
@@ -535,8 +552,10 @@ class Pipeline:
         self._warm_up_and_meet(worker)
         while (claim := self._handoff.claim_for_target()) is not None:
             key, batch = claim
+            self._in_hand[name] = batch
             with self._busy(name, stream), torch.no_grad():
                 features = worker.features(batch)
+            del self._in_hand[name]
             self._handoff.publish(key, (features, batch))
 
     def _drafter_loop(self, name: str, device: torch.device, stream, index: int) -> None:
@@ -550,6 +569,7 @@ class Pipeline:
                 item = self._handoff.take((step, micro))
                 if item is None:
                     break
+                self._in_hand[name] = item[1]  # the source's batch (its features are the target's output)
                 with self._busy(name, stream):
                     features, batch = move_to_device(item, device)
                     output = worker.loss(features, batch)
@@ -558,7 +578,7 @@ class Pipeline:
                     for key, value in {"loss": loss, **metrics}.items():
                         sums[key] = sums[key] + value.detach() if key in sums else value.detach().float()
                 # Only now, with this stream synchronized, may the target's tensors be freed.
-                del item, features, batch, output, loss
+                del item, features, batch, output, loss, self._in_hand[name]
                 self._handoff.mark_done(step)
             self._step_sums[index] = sums
             self._step_barrier.wait()
@@ -572,7 +592,8 @@ class Pipeline:
                 for param, grad in zip(params, self._plan_grads[index]):
                     param.grad = grad
                 self._plan_grads[index] = []  # the replica's .grad is now the only reference
-                worker.optimizer_step()
+                if not self._plan_skip:  # every replica decides alike: they share the summed gradients
+                    worker.optimizer_step()
                 for param in params:
                     param.grad = None
             if leader:
@@ -586,6 +607,7 @@ class Pipeline:
     def _plan_step(self, step: int) -> None:
         """Leader only, between the step barriers: decide whether the step counts, and if so reduce it."""
         self._plan_complete = self._handoff.step_complete(step)
+        self._plan_skip = False
         self._plan_stop_after = self._stop_requested
         self._plan_grads = []
         if not self._plan_complete:
@@ -602,5 +624,21 @@ class Pipeline:
         for sums in self._step_sums:
             for key, value in sums.items():
                 means[key] = means.get(key, 0.0) + float(value) / self._per_step
-        loss = means.pop("loss")
-        self._report = StepReport(step=step + 1, loss=loss, grad_norm=float(norm), metrics=means)
+        loss, grad_norm = means.pop("loss"), float(norm)
+        skipped = self._not_finite(loss, grad_norm, self._plan_grads[0])
+        self._plan_skip = skipped is not None
+        self._report = StepReport(step=step + 1, loss=loss, grad_norm=grad_norm, metrics=means, skipped=skipped)
+
+    def _not_finite(self, loss: float, grad_norm: float, summed: list[torch.Tensor]) -> str | None:
+        """What of the step is not finite: the loss, else the first summed gradient that is not (by name when
+        the worker names its parameters); None when all is finite. Syncs only when something is not."""
+        if not math.isfinite(loss):
+            return f"loss ({loss})"
+        if math.isfinite(grad_norm):
+            return None
+        index = next((i for i, grad in enumerate(summed) if not bool(torch.isfinite(grad).all())), None)
+        if index is None:  # every gradient finite, their norm not: it overflowed
+            return f"gradient norm ({grad_norm})"
+        names = getattr(self.drafters[0], "parameter_names", None)
+        return f"gradient of {names()[index] if names else f'trainable tensor {index}'}"
+

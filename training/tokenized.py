@@ -421,18 +421,24 @@ class TrainingData:
 
 def load_training_data(tokenizer, config, log: Log = print, workers: int | None = None) -> TrainingData:
     """A TrainConfig's training sequences (through the cache) and held-out conversations: eval_data_path's
-    first eval_prompts, or, without one, the last eval_prompts conversations of data_path."""
+    first eval_prompts, or, without one, the last eval_prompts conversations of data_path. One `data:` line
+    counts the conversations kept, the bad lines skipped (skip_bad_data; in either file) and the conversations
+    the recipe drops."""
     options = {"enable_thinking": config.enable_thinking}
     data = load_tokenized(tokenizer, config.data_path, config.max_length, options, config.skip_bad_data,
                           workers, log)
     rows = range(len(data))
+    skipped = list(data.index.get("skipped_first", []))[:1]  # the cache keeps the first few, and the count
+    bad = data.index.get("skipped", 0)
     if config.eval_data_path:
-        held_out = load_conversations(config.eval_data_path)[: config.eval_prompts]
+        eval_skipped = [] if config.skip_bad_data else None
+        held_out = load_conversations(config.eval_data_path, eval_skipped)[: config.eval_prompts]
+        skipped, bad = skipped + (eval_skipped or []), bad + len(eval_skipped or [])
     else:
         cut = max(len(data) - config.eval_prompts, 0)
         rows, held_out = range(cut), data.conversations(range(cut, len(data)))
     kept = data.usable_rows(rows, config.block_size)
-    if len(kept) < len(rows):
-        log(f"dropped {len(rows) - len(kept)} of {len(rows)} conversations with under {2 * config.block_size} "
-            "loss tokens (or none with a whole block after it)")
+    first = f" (first: {skipped[0]})" if skipped else ""
+    log(f"data: {len(kept):,} conversations, {bad:,} bad lines skipped{first}, {len(rows) - len(kept):,} too "
+        f"short dropped (under {2 * config.block_size} loss tokens, or none with a whole block after it)")
     return TrainingData(data.sequences(kept), held_out, data)

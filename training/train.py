@@ -6,29 +6,43 @@ One process: a target thread per `target_devices` entry, a drafter thread (one d
 `drafter_devices` entry; a one-device run is one of each on the same device. A bad configuration prints one
 line and exits 2. SIGTERM (and Ctrl-C) stop at a step boundary, save a checkpoint and exit (0 for SIGTERM, 130
 for Ctrl-C); a second one aborts at once (130, no checkpoint). A failing thread stops them all: its traceback,
-then exit 1. `main` alone turns how the run ended into the exit code.
+then exit 1. A step whose loss or summed gradient is not finite is skipped (no optimizer or LR-schedule step;
+the data moves on) and counted; `max_bad_steps` of them in a row stop the run: one line naming the step and
+what was not finite, exit 3. A checkpoint that cannot be written (disk full, read-only, over quota) leaves the
+earlier ones intact and stops the run: one line naming its path and the cause, exit 4; with
+on_checkpoint_error=warn a periodic one is a warning instead, and the run goes on. Out of memory in a stage
+stops every thread: one line naming the stage, device, shapes and the keys that lower memory, exit 5. `main`
+alone turns how the run ended into the exit code, one of TrainExit:
+
+    0 done, or stopped by SIGTERM     3 max_bad_steps non-finite steps in a row   130 Ctrl-C, or a 2nd signal
+    1 a thread failed (traceback)     4 a checkpoint could not be written
+    2 bad configuration or data       5 out of memory in a stage
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import itertools
 import math
 import os
 import platform
+import re
 import shutil
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from enum import IntEnum
 from pathlib import Path
 
 import torch
 
 from training.attention import FlexAttention, resolve_backend
 from training.checkpoint import (
+    CheckpointWriteError,
     check_checkpoint,
     checkpoints_dir,
     latest_checkpoint,
@@ -41,7 +55,7 @@ from training.data import Batch, BatchStream, DataError, eval_prompts
 from training.evaluate import acceptance_length, build_eval_set
 from training.export import export_run
 from training.mask import build_block_mask
-from training.metrics import MetricsLog, announce_output_dir, metrics_path, say
+from training.metrics import MetricsLog, announce_output_dir, metrics_path, say, warn
 from training.model import Drafter, DrafterConfig
 from training.pipeline import Pipeline, PipelineConfig, PipelineError, RunResult, StepReport, Utilisation
 from training.step import compute_dtype, drafter_stage
@@ -143,10 +157,14 @@ class DrafterReplica:
     def trainable_parameters(self) -> list[torch.Tensor]:
         return self.params
 
+    def parameter_names(self) -> list[str]:
+        return [name for name, p in self.drafter.named_parameters() if p.requires_grad]
+
     def loss(self, features: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         output = drafter_stage(self.drafter, features, batch, self.backend, self.config.gamma,
                                self.config.loss_chunk_size, self.dtype, self.flex_attention)
-        return output.loss, {"accuracy": output.accuracy}
+        loss = output.loss * float("nan") if isinstance(batch, NanLossBatch) else output.loss
+        return loss, {"accuracy": output.accuracy}
 
     def optimizer_step(self) -> None:
         self.last_lr = self.scheduler.get_last_lr()[0]
@@ -180,13 +198,20 @@ def shared_flex_attention(config: TrainConfig, drafter_config: DrafterConfig, de
                                grad_modes=(True,))
 
 
+@dataclasses.dataclass
+class NanLossBatch(Batch):
+    """Tests only (debug_nan_steps): a micro-batch whose loss the drafter replica makes NaN."""
+
+
 class StepBatches:
     """The pipeline's micro-batches, `per_step` to a step, read from the stream in order. Remembers each
     step's token count and the stream's state before it: targets read ahead, so a checkpoint after step s
-    needs the state from before step s + 1's first micro-batch, not the stream's current one."""
+    needs the state from before step s + 1's first micro-batch, not the stream's current one. The micro-batches
+    of `nan_steps` (numbered as logged, from 1) come as NanLossBatch."""
 
-    def __init__(self, stream: BatchStream, per_step: int, start_step: int):
+    def __init__(self, stream: BatchStream, per_step: int, start_step: int, nan_steps: Iterable[int] = ()):
         self.stream, self.per_step, self.start_step = stream, per_step, start_step
+        self.nan_steps = set(nan_steps)
         self._lock = threading.Lock()  # the target threads read, the checkpointing thread asks for states
         self._state_before: dict[int, dict] = {}
         self._tokens: dict[int, int] = {}
@@ -199,7 +224,7 @@ class StepBatches:
                         self._state_before[step] = self.stream.state_dict()
                     batch = next(self.stream)
                     self._tokens[step] = self._tokens.get(step, 0) + batch.num_tokens
-                yield batch
+                yield NanLossBatch(**vars(batch)) if step + 1 in self.nan_steps else batch
 
     def state_before(self, step: int) -> dict:
         """The stream's state with exactly the micro-batches of steps before `step` read."""
@@ -240,7 +265,8 @@ def load_targets(config: TrainConfig, devices: list[torch.device], dtype: torch.
 
 def load_data(config: TrainConfig, tokenizer) -> tuple[BatchStream, list[list[dict]]]:
     """The training micro-batches, and the held-out conversations evaluation drafts on (eval_data_path, else
-    the tail of the training data)."""
+    the tail of the training data). Bad lines stop the run, or with skip_bad_data are skipped; they and the
+    conversations the recipe drops (under 2 x block_size loss tokens) are counted in one line."""
     data = load_training_data(tokenizer, config, log=say)  # tokenised once, then read from its cache
     sequences, held_out = data.sequences, data.held_out
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -278,9 +304,10 @@ def restore_latest_checkpoint(config: TrainConfig, replicas: list[DrafterReplica
 
 class StepLog:
     """The run's numbers. Built once; `start` before the first step, `after_step` after every step (in the
-    leader drafter thread): loss, accuracy and tokens add up over a window, and every `log_every`-th step (and
-    the last) writes one metrics record, the JSON line and the progress line; every `eval_every`-th step (and
-    the last) adds the acceptance length τ on the held-out prompts."""
+    leader drafter thread): loss, accuracy and tokens add up over a window (loss and accuracy over the steps
+    that updated; skipped ones are counted), and every `log_every`-th step (and the last) writes one metrics
+    record, the JSON line and the progress line; every `eval_every`-th step (and the last) adds the acceptance
+    length τ on the held-out prompts."""
 
     def __init__(self, config: TrainConfig, leader: DrafterReplica, batches: StepBatches, target: Target,
                  held_out: list[list[dict]]):
@@ -290,6 +317,7 @@ class StepLog:
         if config.eval_every and held_out:
             prompts = eval_prompts(target.tokenizer, held_out, {"enable_thinking": config.enable_thinking})
             self.evalset = build_eval_set(target, prompts, config.eval_new_tokens, leader.device)
+        self.skipped_total = 0  # steps skipped for a non-finite loss or gradient, since this process started
         self._open_window()
 
     def start(self, step: int) -> None:
@@ -302,9 +330,13 @@ class StepLog:
         """Count step `report.step`; `utilisation` (the pipeline's, since its previous call) is asked once a
         window."""
         done, last = report.step, report.step == self.config.max_steps
-        self._loss += report.loss
-        self._accuracy += report.metrics["accuracy"]
-        self._steps += 1
+        if report.skipped is None:
+            self._loss += report.loss
+            self._accuracy += report.metrics["accuracy"]
+            self._steps += 1
+        else:
+            self._skipped += 1
+            self.skipped_total += 1
         self._tokens += self.batches.pop_tokens(done - 1)
         record = {}
         if done % self.config.log_every == 0 or last:
@@ -318,23 +350,55 @@ class StepLog:
         return acceptance_length(self.leader.drafter, self.evalset, self.leader.dtype)
 
     def _open_window(self) -> None:
-        self._loss, self._accuracy, self._steps, self._tokens = 0.0, 0.0, 0, 0
+        self._loss, self._accuracy, self._steps, self._skipped, self._tokens = 0.0, 0.0, 0, 0, 0
         self._start = time.time()
 
     def _close_window(self, report: StepReport, utilisation: Utilisation) -> dict:
         elapsed = time.time() - self._start
-        record = {"loss": self._loss / self._steps, "accuracy": self._accuracy / self._steps,
-                  "lr": self.leader.last_lr, "grad_norm": report.grad_norm,
-                  "tokens_per_s": self._tokens / max(elapsed, 1e-9), **utilisation.as_metrics()}
+        record = {"lr": self.leader.last_lr, "tokens_per_s": self._tokens / max(elapsed, 1e-9),
+                  "skipped_steps": self._skipped, "skipped_steps_total": self.skipped_total,
+                  **utilisation.as_metrics()}
+        if self._steps:  # a window of skipped steps only has no loss (JSON has no NaN)
+            record.update(loss=self._loss / self._steps, accuracy=self._accuracy / self._steps)
+        if report.skipped is None:
+            record["grad_norm"] = report.grad_norm
         self._open_window()
         return record
+
+
+class NonFiniteSteps(RuntimeError):
+    """max_bad_steps steps in a row had a non-finite loss or gradient: the run stops (TrainExit.NON_FINITE)."""
+
+
+class BadStepGuard:
+    """Steps the pipeline skipped for a non-finite loss or gradient (no update; the data moves on). Built
+    once; `after_step` after every step (in the leader drafter thread) says each one, and the `max_bad_steps`-th
+    in a row raises NonFiniteSteps, which stops every thread. The count starts again on resume."""
+
+    def __init__(self, max_bad_steps: int):
+        self.max_bad_steps = max_bad_steps
+        self.in_a_row = 0
+
+    def after_step(self, report: StepReport) -> None:
+        if report.skipped is None:
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        if self.in_a_row >= self.max_bad_steps:
+            raise NonFiniteSteps(
+                f"step {report.step}: non-finite {report.skipped}; {self.in_a_row} steps in a row skipped "
+                f"(max_bad_steps={self.max_bad_steps}); the weights are those after step "
+                f"{report.step - self.in_a_row}, the latest checkpoint is intact")
+        warn(f"step {report.step}: non-finite {report.skipped}: update skipped ({self.in_a_row} in a row, "
+             f"max_bad_steps={self.max_bad_steps})")
 
 
 class CheckpointPolicy:
     """When the run goes to disk. Built once; `after_step` after every step (in the leader drafter thread)
     saves every `save_every`-th step and the last; `close` at the end saves the final step unless it is saved
     already (a stop). A checkpoint holds the leader replica (the replicas are identical) and the data
-    position of its own step."""
+    position of its own step. One that cannot be written raises CheckpointWriteError (exit 4), or with
+    on_checkpoint_error=warn, for any but the run's last, is a warning, and the run goes on."""
 
     def __init__(self, config: TrainConfig, leader: DrafterReplica, batches: StepBatches, step: int):
         self.config, self.leader, self.batches = config, leader, batches
@@ -342,16 +406,23 @@ class CheckpointPolicy:
 
     def after_step(self, step: int) -> None:
         if step % self.config.save_every == 0 or step == self.config.max_steps:
-            self.save(step)
+            self.save(step, last=step == self.config.max_steps)
 
     def close(self, step: int) -> None:
         if step != self.saved_step:
-            self.save(step)
+            self.save(step, last=True)
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, last: bool = False) -> None:
+        """Write step's checkpoint; `last`: the run ends with it, so it cannot be skipped with a warning."""
         leader = self.leader
-        save_checkpoint(self.config.output_dir, step, leader.drafter, leader.optimizer, leader.scheduler,
-                        self.batches.state_before(step), self.config.to_dict(), self.config.keep_checkpoints)
+        try:
+            save_checkpoint(self.config.output_dir, step, leader.drafter, leader.optimizer, leader.scheduler,
+                            self.batches.state_before(step), self.config.to_dict(), self.config.keep_checkpoints)
+        except CheckpointWriteError as err:
+            if last or self.config.on_checkpoint_error != "warn":
+                raise
+            warn(f"{err}; the run goes on (on_checkpoint_error=warn), the next save tries again")
+            return
         self.saved_step = step
 
 
@@ -390,14 +461,16 @@ def train(config: TrainConfig, resume: bool = False, stop: StopRequest | None = 
     step = restore_latest_checkpoint(config, replicas, stream) if resume else 0
 
     # Built once, called after every step, closed at the end.
-    batches = StepBatches(stream, config.micro_batches_per_step(), step)
+    batches = StepBatches(stream, config.micro_batches_per_step(), step, config.debug_nan_steps)
     step_log = StepLog(config, replicas[0], batches, targets[0], held_out)
     step_log.start(step)
+    bad_steps = BadStepGuard(config.max_bad_steps)
     checkpoints = CheckpointPolicy(config, replicas[0], batches, step)
 
     # The loop: the pipeline's threads run the steps; after each one the leader drafter thread calls this.
     def after_step(report: StepReport) -> None:
         step_log.after_step(report, pipeline.utilisation)
+        bad_steps.after_step(report)
         checkpoints.after_step(report.step)
 
     pipeline = Pipeline(
@@ -441,9 +514,48 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+class TrainExit(IntEnum):
+    """The trainer's exit codes, written here and nowhere else; `main` decides which, once."""
+
+    OK = 0  # done, or stopped by SIGTERM with a checkpoint saved
+    FAILED = 1  # a thread failed (its traceback is in the log)
+    BAD_INPUT = 2  # a bad configuration or bad data: one line
+    NON_FINITE = 3  # max_bad_steps steps in a row with a non-finite loss or gradient: one line (step, what)
+    CHECKPOINT_WRITE = 4  # a checkpoint could not be written (disk full, read-only, quota): one line (path, why)
+    OUT_OF_MEMORY = 5  # a stage ran out of device memory: one line (stage, device, shapes, the keys to lower)
+    INTERRUPTED = 130  # stopped by Ctrl-C (checkpoint saved), or aborted by a second signal (none)
+
+
+def out_of_memory_line(err: PipelineError, config: TrainConfig) -> str:
+    """Which stage ran out of memory, where, on what shapes, and what lowers it."""
+    stage = err.thread.rstrip("0123456789")  # "target1" -> the target stage
+    batch = err.batch
+    if isinstance(batch, Batch):
+        rows, length = batch.input_ids.shape
+        shapes = f"a micro-batch of {rows} rows x {length} tokens (length bucket), {batch.anchors.shape[1]} anchors"
+    else:
+        shapes = "no micro-batch (warm-up, or the step's update, evaluation or checkpoint)"
+    tried = re.search(r"Tried to allocate [\d.]+ \w+", str(err.error))  # CUDA's message says how much
+    keys = [f"micro_batch_size ({config.micro_batch_rows()})", f"max_length ({config.max_length}, and length_buckets)"]
+    if stage != "target":  # the target's memory does not depend on the drafter's blocks
+        keys += [f"num_anchors ({config.num_anchors})", f"loss_chunk_size ({config.loss_chunk_size})"]
+    return (f"out of memory in the {stage} stage ({err.thread} on {err.device}) on {shapes}"
+            f"{f' ({tried[0]})' if tried else ''}; lower {', '.join(keys[:-1])} or {keys[-1]}")
+
+
+def thread_failure(err: PipelineError, config: TrainConfig) -> tuple[TrainExit, str]:
+    """The exit code for a failed pipeline thread, and the line that says why."""
+    if isinstance(err.error, NonFiniteSteps):
+        return TrainExit.NON_FINITE, str(err.error)
+    if isinstance(err.error, CheckpointWriteError):
+        return TrainExit.CHECKPOINT_WRITE, str(err.error)
+    if isinstance(err.error, torch.OutOfMemoryError):
+        return TrainExit.OUT_OF_MEMORY, out_of_memory_line(err, config)
+    return TrainExit.INTERRUPTED if isinstance(err.error, KeyboardInterrupt) else TrainExit.FAILED, str(err)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """The process: train, then the exit code, decided here and nowhere else: 0 done or stopped by SIGTERM,
-    130 stopped by Ctrl-C or aborted by a second signal, 2 a bad configuration or data, 1 a failed thread."""
+    """The process: train, then the exit code (TrainExit), decided here and nowhere else."""
     args = parse_args(argv)
     try:
         config = load_config(args.config, args.set)
@@ -458,18 +570,23 @@ def main(argv: list[str] | None = None) -> int:
             result = train(config, resume=args.resume, stop=stop)
     except (ConfigError, DataError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
-    except PipelineError as err:  # a thread failed: its own traceback, then one line
-        print(err.traceback_text, end="", file=sys.stderr)
+        return TrainExit.BAD_INPUT
+    except CheckpointWriteError as err:  # the run's last checkpoint, saved in this thread
         print(f"error: {err}", file=sys.stderr, flush=True)
+        return TrainExit.CHECKPOINT_WRITE
+    except PipelineError as err:  # a thread failed: one line for a known cause, else its traceback and a line
+        code, line = thread_failure(err, config)
+        if code in (TrainExit.FAILED, TrainExit.INTERRUPTED):
+            print(err.traceback_text, end="", file=sys.stderr)
+        print(f"error: {line}", file=sys.stderr, flush=True)
         if err.still_running:  # a thread stuck inside a device call would hold up the interpreter's exit
             sys.stdout.flush()
-            os._exit(1)
-        return 130 if isinstance(err.error, KeyboardInterrupt) else 1
+            os._exit(code)
+        return code
     except KeyboardInterrupt as interrupt:  # a second signal outside the pipeline (loading, saving)
         print(f"error: {interrupt or 'interrupted'}", file=sys.stderr, flush=True)
-        return 130
-    return 130 if result.stopped and stop.signal == signal.SIGINT else 0
+        return TrainExit.INTERRUPTED
+    return TrainExit.INTERRUPTED if result.stopped and stop.signal == signal.SIGINT else TrainExit.OK
 
 
 if __name__ == "__main__":

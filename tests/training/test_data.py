@@ -103,3 +103,22 @@ def test_bad_data_lines_are_one_line_errors(tmp_path):
         load_conversations(str(path))
     with pytest.raises(DataError, match="not found"):
         load_conversations(str(tmp_path / "missing.jsonl"))
+
+
+def test_bad_data_lines_can_be_skipped_and_listed(tmp_path):
+    good = {"messages": [{"role": "user", "content": "a\u2028b"}, {"role": "assistant", "content": "c"}]}
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b"\n".join([
+        json.dumps(good, ensure_ascii=False).encode(),  # U+2028 raw inside a string: still one line
+        b"not json",
+        b'{"nope": 1}',
+        b"",
+        b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}',  # not UTF-8
+        b'{"messages": "hi"}',
+        json.dumps(good).encode(),
+    ]) + b"\n")
+    with pytest.raises(DataError, match=r"data.jsonl:2: not a"):
+        load_conversations(str(path))
+    skipped: list[str] = []
+    assert load_conversations(str(path), skipped) == [good["messages"], good["messages"]]
+    assert [line.split(": not a")[0] for line in skipped] == [f"{path}:{n}" for n in (2, 3, 5, 6)]

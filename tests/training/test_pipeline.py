@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import _thread
 import json
+import math
 import os
 import shutil
 import signal
@@ -179,6 +180,7 @@ def test_a_failing_thread_stops_the_whole_pipeline(where, options):
     assert time.monotonic() - start < 10
     assert isinstance(caught.value.error, ToyFailure)
     assert caught.value.thread.startswith(where)
+    assert caught.value.device == CPU and caught.value.batch["n"] == options[f"{where}_options"]["fail_at"]
     assert "ToyFailure" in caught.value.traceback_text and "pipeline_toys.py" in caught.value.traceback_text
     assert caught.value.still_running == []
     assert not [t for t in threading.enumerate() if t.name.startswith(("target", "drafter"))]
@@ -201,6 +203,7 @@ def test_a_failing_warm_up_releases_the_threads_waiting_at_the_barrier():
     with pytest.raises(PipelineError, match="no compile today") as caught:
         pipeline.run()
     assert caught.value.thread == "drafter1" and len(warmed) == 2
+    assert caught.value.batch is None  # outside a micro-batch
 
 
 def test_replicas_must_start_identical():
@@ -426,6 +429,56 @@ def test_gradient_sum_without_clipping_is_the_plain_sum():
         torch.testing.assert_close(replica[1], torch.full((2, 2), -3.0))
     assert summed[1][0] is not summed[0][0]  # each replica owns its copy
     torch.testing.assert_close(norm, torch.tensor((3 * 36.0 + 4 * 9.0) ** 0.5))
+
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_a_step_with_a_nan_loss_updates_nothing_and_the_data_moves_on(replicas):
+    """A NaN in one micro-batch of step 3: no replica updates (they stay identical), the step still counts, and
+    the result is the run without step 3's micro-batches, exactly as if they were never there."""
+    steps, per_step, clip, bad_step = 5, 4, 0.5, 3
+    batches = make_batches(steps * per_step)
+    batches[(bad_step - 1) * per_step + 1]["y"][0, 0] = float("nan")
+    reports: list[StepReport] = []
+    pipeline = build([CPU] * 2, [CPU] * replicas, per_step, steps, grad_clip=clip, batches=batches,
+                     on_step=reports.append)
+    result = pipeline.run()
+
+    assert result.steps_done == steps and [r.step for r in reports] == list(range(1, steps + 1))
+    assert [r.skipped for r in reports] == [None, None, "loss (nan)", None, None]
+    assert [d.steps for d in pipeline.drafters] == [steps - 1] * replicas  # optimizer steps taken
+    kept = batches[: (bad_step - 1) * per_step] + batches[bad_step * per_step:]
+    expected, _ = reference_parameters(kept, per_step, steps - 1, clip)
+    for got, want in zip(pipeline.drafters[0].trainable_parameters(), expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert_replicas_identical(pipeline)
+
+
+def test_a_non_finite_gradient_with_a_finite_loss_is_named():
+    class NamedToyDrafter(ToyDrafter):
+        def parameter_names(self) -> list[str]:
+            return [name for name, _ in self.model.named_parameters()]
+
+    drafters = [NamedToyDrafter(CPU, replica=i) for i in range(2)]
+    # Replica 1's last bias gets an inf gradient in every backward; the loss stays finite.
+    drafters[1].model[2].bias.register_hook(lambda grad: grad + float("inf"))
+    reports: list[StepReport] = []
+    pipeline = Pipeline(PipelineConfig([CPU], [CPU] * 2, micro_batches_per_step=2), [ToyTarget(CPU)], drafters,
+                        make_batches(6), start_step=0, max_steps=3, on_step=reports.append)
+    pipeline.run()
+
+    assert [r.skipped for r in reports] == ["gradient of 2.bias"] * 3
+    assert all(math.isfinite(r.loss) for r in reports)
+    assert [d.steps for d in drafters] == [0, 0]
+    assert_replicas_identical(pipeline)
+
+
+def test_a_non_finite_gradient_sum_is_left_unclipped():
+    grads = [[torch.ones(2), torch.tensor([1.0, float("nan")])], [torch.ones(2), torch.ones(2)]]
+    summed, norm = sum_and_clip_gradients(grads, [CPU] * 2, 0.5)
+    assert norm.isnan()
+    torch.testing.assert_close(summed[0][0], torch.full((2,), 2.0))  # not NaN: the bad one stays findable
+    assert summed[1][1][1].isnan() and summed[1][1][0] == 2.0
 
 
 @pytest.mark.gpu
