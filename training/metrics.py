@@ -2,9 +2,14 @@
 
 The JSON goes to $GPUCTL_METRICS when set, else <output_dir>/metrics.jsonl. Every record has `step`,
 `total_steps` and `time` (Unix seconds) and `elapsed_s`; training records add `loss`, `lr`, `tokens_per_s`
-(real target tokens per second over the logging window), `accuracy`, `grad_norm`, and from the pipeline
-`busy` (each thread's busy fraction of the window) and `queue_depth` (`mean`, `max`, `bound`); evaluations
-add `acceptance_length`.
+(real target tokens per second over the logging window; the first window starts when every thread has warmed
+up), `tflops_per_s` (counted matrix FLOPs of the target forward and drafter step per second, training/flops.py:
+divided by the devices' matrix rate it is the MFU), `accuracy`, `grad_norm`, `layout` (its name, e.g.
+"colocated" or "1:1"), `peak_memory_gib` (per device: torch's peak allocation on a GPU, the process's peak RSS
+for "cpu"), and from the pipeline `busy` (each thread's busy fraction of the window) and `queue_depth` (`mean`,
+`max`, `bound`). The first training record adds `layout_detail` (every role's devices) and, with topology
+"auto", `layout_auto` (the trial's times per sequence and every candidate's prediction and memory), and every
+record `predicted_tokens_per_s`. Evaluations add `acceptance_length`.
 """
 
 from __future__ import annotations
@@ -48,6 +53,10 @@ def format_progress(record: dict) -> str:
         parts.append(f"busy {busy}")
     if record.get("queue_depth"):
         parts.append("queue {mean:.1f}/{bound} max {max}".format(**record["queue_depth"]))
+    if record.get("layout"):
+        parts.append(f"layout {record['layout']}")
+    if record.get("peak_memory_gib"):
+        parts.append(f"mem {max(record['peak_memory_gib'].values()):.1f} GiB")
     parts.append(f"{record['elapsed_s']:.1f}s")
     return "  ".join(parts)
 
