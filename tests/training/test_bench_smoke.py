@@ -151,3 +151,16 @@ def test_serve_bench_runs_on_the_cpu_and_the_served_drafter_proposes_what_the_tr
     assert report["proposal_agreement"] == 1.0  # float32: the served drafter is the trainer's
     assert report["draft_ms_per_block"] > 0 and report["loop_ms_per_token"] > 0 and report["output_tokens"] == 16
     assert "draft one block" in result.stdout
+
+
+@pytest.mark.e2e
+def test_layout_runs_drives_the_trainer_in_its_smoke_form(tmp_path):
+    """bench/layout_runs.py (the H200 measurement of issue 12) on the CPU: the trainer in two layouts."""
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "layout_runs.py"), "--smoke", "--skip-stages",
+                             "--layouts", "colocated,auto", "--steps", "2", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [r["layout"] for r in summary["runs"]] == ["colocated", "auto"]
+    assert all(r["steps"] == 2 and r["tokens_per_s"] > 0 for r in summary["runs"])
+    assert summary["runs"][1]["predicted_tokens_per_s"] > 0 and "auto's trial" in result.stdout
