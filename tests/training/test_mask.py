@@ -115,3 +115,16 @@ def test_block_mask_from_tiles_equals_create_block_mask(batch, num_blocks, conte
         assert torch.equal(mine, tensor), name
     if context_len == 3072:
         assert int(want.full_kv_num_blocks.sum()) > 0  # the case exercises full tiles
+
+
+@pytest.mark.gpu
+def test_block_mask_from_tiles_equals_create_block_mask_on_cuda():
+    """The same on the GPU's torch (2.11 on the H200 box), at the recipe's shape: 512 blocks of 16, context 3072."""
+    from training.mask import create_block_mask_reference
+
+    anchors, block_valid = random_case(0, 1, 512, 3072, 16)
+    anchors, block_valid = anchors.sort(dim=1).values.cuda(), block_valid.cuda()
+    got = build_block_mask(anchors, block_valid, 3072, 16)
+    want = create_block_mask_reference(anchors, block_valid, 3072, 16)
+    for name, tensor in block_mask_tensors(want).items():
+        assert torch.equal(block_mask_tensors(got)[name], tensor), name

@@ -525,3 +525,19 @@ def test_gpu_trainer_through_the_pipeline_compiles_nothing_after_warm_up(tiny_wo
     assert result.returncode == 0, result.stdout + result.stderr
     assert "attention flex" in result.stdout and "step 12/12" in result.stdout
     assert " 0 compiles after warm-up" in result.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.e2e
+@pytest.mark.parametrize("devices,topology", [([0], "colocated"), ([0], "1:1"), ([0], "auto"), ([0, 1], "auto")])
+def test_gpu_trainer_in_topologies_compiles_nothing_after_warm_up(tiny_world, tmp_path, devices, topology):
+    """The tiny preset on CUDA in each topology; auto's trial compiles inside the warm-up, never after it."""
+    if torch.cuda.device_count() < len(devices):
+        pytest.skip(f"needs {len(devices)} CUDA GPUs")
+    sets = [*tiny_world.overrides(tmp_path), f"devices={devices}", f"topology={topology}", "max_steps=12",
+            "log_every=4", "eval_every=0", "num_threads=1"]
+    command = [sys.executable, "-m", "training.train", "--config", "tiny"] + [a for s in sets for a in ("--set", s)]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "attention flex" in result.stdout and "step 12/12" in result.stdout
+    assert " 0 compiles after warm-up" in result.stdout and " 0 eager runs" in result.stdout
