@@ -3,14 +3,14 @@
     python bench/layout_runs.py [--gpu 0] [--steps 25] [--out DIR]
     python bench/layout_runs.py --smoke          # the same code on the CPU at toy shapes (numbers mean nothing)
 
-1. Stages (bench/drafter_bench.py, variants "new" and "old-mask", one chunk size, the target with and
-   without its layers after the last feature layer): per-stage time and MFU before/after, and the card's
-   bf16 matrix rate, the MFU denominator below.
-2. `python -m training.train --config qwen3-8b-random` (a random-weight Qwen3-8B-shaped target, synthetic
+1. `python -m training.train --config qwen3-8b-random` (a random-weight Qwen3-8B-shaped target, synthetic
    3072-token conversations, the recipe's batch_size 1) for --steps steps in each layout on the GPU:
    colocated (the serial loop: target forward then drafter step in one thread), 1:1 (a target thread and a
    drafter thread sharing the GPU), and auto (its trial's prediction against what it measured). Evaluation
    off; the one checkpoint and the export at the end go to a temporary directory, removed after each run.
+2. Stages (bench/drafter_bench.py, variants "new" and "old-mask", one chunk size, the target with and
+   without its layers after the last feature layer): per-stage time and MFU before/after, and the card's
+   bf16 matrix rate, the MFU denominator of both tables.
 
 Table per layout: steady tokens/s (the windows after the first, which holds the pipeline's fill), counted
 TFLOP/s (training/flops.py: the target forward up to its last feature layer + the drafter step) and MFU
@@ -18,7 +18,7 @@ against the measured matrix rate, peak memory, and auto's predicted tokens/s. Ev
 and its metrics lines go to --out (default: a temporary directory), with a JSON summary.
 
 About 5-6 minutes on an H200 (most of it building 8B-shaped targets, compiling, and writing each run's 12 GB
-checkpoint).
+checkpoint); --budget-s (540) bounds the whole call: what would start past it is skipped and said so.
 """
 
 from __future__ import annotations
@@ -147,24 +147,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="logs, metrics and summary.json (default: a temporary dir)")
     parser.add_argument("--scratch", default=None, help="where runs write their checkpoint (default: $TMPDIR)")
     parser.add_argument("--run-timeout", type=float, default=170.0)
-    parser.add_argument("--stage-timeout", type=float, default=150.0)
+    parser.add_argument("--stage-timeout", type=float, default=200.0)
+    parser.add_argument("--budget-s", type=float, default=540.0,
+                        help="the whole call's time: a run that would start past it is skipped, the last cut short")
     args = parser.parse_args(argv)
     out = args.out or Path(tempfile.mkdtemp(prefix="layout-runs-"))
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
 
-    report = None if args.skip_stages else stages(args, out)
+    deadline = started + args.budget_s
     device = '"cpu"' if args.smoke else f"[{args.gpu}]"
-    rows = []
+    rows, skipped = [], []
     for layout in [name.strip() for name in args.layouts.split(",") if name.strip()]:
+        left = deadline - time.time()
+        if left < 60:
+            skipped.append(layout)
+            continue
+        args.run_timeout = min(args.run_timeout, left)
         rows.append(train_run(layout.replace(":", "-") if ":" in layout else layout,
                               [f"devices={device}", f"topology={layout}"], args, out))
         rows[-1]["layout"] = layout
+    # The stages last: the layouts are the issue's question; the stages' table is its second.
+    args.stage_timeout = min(args.stage_timeout, max(deadline - time.time(), 0.0))
+    report = None if args.skip_stages or args.stage_timeout < 60 else stages(args, out)
     rate = report["matmul_tflops"] if report else None
     if report:
         print_stages(report)
     print_runs(rows, rate, devices=1)
-    summary = {"stages": report, "runs": rows, "matmul_tflops": rate, "wall_s": round(time.time() - started, 1)}
+    if skipped or (report is None and not args.skip_stages):
+        print(f"skipped for lack of time: {', '.join(skipped + ([] if report or args.skip_stages else ['stages']))}")
+    summary = {"stages": report, "runs": rows, "matmul_tflops": rate, "skipped": skipped,
+               "wall_s": round(time.time() - started, 1)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"\nall in {time.time() - started:.0f} s; logs and summary.json in {out}")
     return 0 if all(r["exit"] == 0 for r in rows) and (report or args.skip_stages) else 1
