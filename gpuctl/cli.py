@@ -9,12 +9,13 @@ import inspect
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from gpuctl import __version__, commands, render, ssh
+from gpuctl import __version__, commands, doctor, render, ssh
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
 from gpuctl.runs import RUN_REF, State, parse_run_ref, parse_signal
 from gpuctl.target import TargetFlags, remember, resolve
@@ -101,27 +102,33 @@ def with_target(func: Callable) -> Callable:
 def launch(
     flags: TargetFlags,
     stats: ssh.Stats,
-    config: Annotated[str | None, typer.Option(metavar="PRESET|PATH", help="trainer preset name, or a config file (a local "
-                                                    "file is staged) [default: tiny, or the resumed run's]")] = None,
+    task: Annotated[commands.LaunchTask | None, typer.Option(help="what to run: train (python -m training.train) or "
+                                                             "regenerate (python -m training.regenerate) [default: "
+                                                             "train, or the resumed run's]")] = None,
+    config: Annotated[str | None, typer.Option(metavar="PRESET|PATH", help="preset name, or a config file (a local "
+                                                    "file is staged) [default: tiny (regenerate: tiny-regenerate), "
+                                                    "or the resumed run's]")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", metavar="KEY=VALUE", help="override a config value: KEY=VALUE "
                                                                     "(repeatable)")] = None,
     python: Annotated[str | None, typer.Option(metavar="PATH", help="Python interpreter in the container "
-                                                 "[default: python3]")] = None,
+                                                 "[default: the one gpuctl setup made, else python3]")] = None,
     workdir: Annotated[str | None, typer.Option(metavar="DIR", help="the run's working directory in the container "
                                                   "[default: /workspace]")] = None,
     log_dir: Annotated[str | None, typer.Option(metavar="DIR", help="where train_tlN.log goes in the container "
                                                   "[default: /workspace]")] = None,
     keep_compile_cache: Annotated[bool, typer.Option("--keep-compile-cache", help="keep /tmp/torchinductor_root")] = False,
     replace: Annotated[bool, typer.Option("--replace", help="kill the active run first instead of refusing")] = False,
-    resume: Annotated[str | None, typer.Option("--resume", metavar="[RUN]", help="continue RUN (default: the latest) "
-                                               "from its checkpoints: its config, sets and directories, the trainer's "
-                                               "--resume, a new log")] = None,
+    resume: Annotated[str | None, typer.Option("--resume", metavar="[RUN]", help="continue RUN (default: the latest "
+                                               "run, of --task when given) from its checkpoints: its task, config, sets and "
+                                               "directories, the trainer's --resume (a regenerate run: the same "
+                                               "command, which skips the records done), a new log")] = None,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="stream the log until the run ends; exit "
                                                                 "with its outcome")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print what would run, run nothing")] = False,
     json_: JsonOpt = False,
 ) -> int:
-    """Start a training run in the container, detached; print its id, pid and log."""
+    """Start a training run (or, with --task regenerate, a data regeneration) in the container, detached; print
+    its id, pid and log."""
     if json_ and follow:
         raise usage_error("--json and --follow cannot be combined (the log goes to stdout)")
     if resume is not None and dry_run:
@@ -129,7 +136,7 @@ def launch(
     target = resolve(flags)
     opts = commands.LaunchOptions(config=config, sets=set_ or [], python=python, workdir=workdir,
                                   log_dir=log_dir, keep_compile_cache=keep_compile_cache, replace=replace,
-                                  resume=None if resume is None else parse_run_ref(resume or None))
+                                  resume=None if resume is None else parse_run_ref(resume or None), task=task)
     if dry_run:
         sys.stdout.write(commands.plan_launch(target, opts))
         return ExitCode.OK
@@ -250,6 +257,111 @@ def kill(
     with commands.connected(resolve(flags), stats) as ct:
         render.kill_result(commands.kill(ct, number, signal_name, grace, notify=render.message))
     return ExitCode.OK
+
+
+@app.command()
+@with_target
+def pull(
+    flags: TargetFlags,
+    stats: ssh.Stats,
+    dest: Annotated[str | None, typer.Argument(metavar="DEST", show_default=False,
+                                               help="where the files go: a directory (export, checkpoint), a "
+                                                    "file or a directory (metrics)")] = None,
+    run: RunOpt = None,
+    what: Annotated[commands.PullWhat, typer.Option(help="the run's export (made from its newest checkpoint "
+                                                         "when it has none), its newest checkpoint, or its "
+                                                         "metrics file")] = commands.PullWhat.EXPORT,
+    with_optimizer: Annotated[bool, typer.Option("--with-optimizer", help="with --what checkpoint: state.pt "
+                                                 "too (optimizer, schedule, data position)")] = False,
+    json_: JsonOpt = False,
+) -> int:
+    """Copy a run's export, newest checkpoint or metrics to DEST over SSH, every file checked by sha256; an
+    interrupted pull leaves nothing at DEST, and running it again continues where it stopped."""
+    if dest is None:  # one positional argument is DEST, not TARGET
+        flags, dest = replace(flags, target=None), flags.target
+    if dest is None:
+        raise usage_error("missing DEST (see gpuctl pull --help)")
+    destination = commands.pull_destination(dest, what, with_optimizer)
+    progress = None if json_ else (lambda total: render.TransferProgress(total, "pulling"))
+    with commands.connected(resolve(flags), stats) as ct:
+        result = commands.pull(ct, parse_run_ref(run), what, destination, with_optimizer, notify=render.message,
+                               progress=progress)
+    render.pull_result(result, as_json=json_)
+    return ExitCode.OK
+
+
+PythonOpt = Annotated[str | None, typer.Option(metavar="PATH", help="the interpreter to check [default: the one "
+                                             "gpuctl setup made, else python3]")]
+
+
+@app.command("doctor")
+@with_target
+def doctor_command(flags: TargetFlags, stats: ssh.Stats, python: PythonOpt = None, json_: JsonOpt = False) -> int:
+    """Check that the container can train: host, pct, container, the interpreter launch would use and its
+    packages, the GPUs against torch's, CUDA, free space and GPU memory, an active run. Exit 6 when a check
+    fails."""
+    if python is not None:
+        commands.check_python(python)
+    report = doctor.doctor(resolve(flags), stats, python)
+    render.doctor_report(report, as_json=json_)
+    if report.error:
+        raise GpuctlError(report.error, report.code)
+    _not_ready(report)
+    return ExitCode.OK
+
+
+@app.command("setup")
+@with_target
+def setup_command(
+    flags: TargetFlags,
+    stats: ssh.Stats,
+    python: Annotated[str | None, typer.Option(metavar="PATH", help="the interpreter (>= 3.10) to make the "
+                                               "environment from [default: python3]")] = None,
+    venv: Annotated[str, typer.Option(metavar="DIR", help="the virtual environment in the container")]
+    = doctor.DEFAULT_VENV,
+    torch: Annotated[str | None, typer.Option(metavar="SPEC", help="a pip requirement for torch instead of the "
+                                              "trainer's, e.g. 'torch==2.11.0' [default: a CUDA build for the "
+                                              "driver, from PyTorch's index]")] = None,
+    index_url: Annotated[list[str] | None, typer.Option("--index-url", metavar="URL", help="where pip gets packages "
+                                                        "(repeatable; the first is pip's --index-url, the others "
+                                                        "--extra-index-url): an index URL, or a directory of wheels "
+                                                        "in the container (/DIR, file:///DIR)")] = None,
+    system_site_packages: Annotated[bool, typer.Option("--system-site-packages", help="let the environment see "
+                                                       "the interpreter's packages (an image that has torch "
+                                                       "already)")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="print what would run, send nothing")] = False,
+) -> int:
+    """Make the container ready to train: a virtual environment with the trainer's packages (a CUDA build of torch
+    for the driver), installed detached like a run (its own log; logs -f, kill, status), then doctor's checks.
+    Launch uses that environment from then on."""
+    opts = doctor.check_setup_options(doctor.SetupOptions(
+        python=python, venv=venv, torch=torch, index_urls=index_url or [], system_site_packages=system_site_packages))
+    target = resolve(flags)
+    if dry_run:
+        sys.stdout.write(doctor.plan_setup(target, opts))
+        return ExitCode.OK
+    with commands.connected(target, stats) as ct:
+        result = doctor.setup(ct, target, opts, notify=render.message,
+                              progress=lambda total: render.TransferProgress(total, "staging"))
+        remember(target)
+        render.launch_result(result, as_json=False, to_stderr=True, show_tail=False)
+        code = _follow(ct, result.run.number, lines=None, offset=0)
+        if code != ExitCode.OK:
+            raise GpuctlError(f"setup ({result.run.run_id}) did not finish: its log above says why (gpuctl logs "
+                              f"--run {result.run.number})", code)
+        report = commands.reconnecting(ct, lambda: doctor.examine(ct, None), render.message)
+    render.doctor_report(report, as_json=False)
+    if report.error:
+        raise GpuctlError(report.error, report.code)
+    _not_ready(report)
+    return ExitCode.OK
+
+
+def _not_ready(report: doctor.DoctorReport) -> None:
+    if report.failed:
+        names = ", ".join(c.name for c in report.failed)
+        raise GpuctlError(f"CT {report.ctid} is not ready to train: {names} failed (the fix is on each line)",
+                          ExitCode.ENV_NOT_READY)
 
 
 def _bare_resume(argv: list[str]) -> list[str]:

@@ -14,28 +14,34 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
+from enum import Enum
 from pathlib import Path, PurePosixPath
 from typing import Any, Protocol, TypeVar
 
 from tenacity import RetryError, retry, retry_if_result, stop_after_delay, wait_exponential
 
-from gpuctl import __version__, scripts, ssh
-from gpuctl.container import RECORDS_DIR, STAGE_DIR, Container, ContainerNotRunning
+from gpuctl import __version__, scripts, ssh, transfer
+from gpuctl.container import INTERPRETER_FILE, RECORDS_DIR, STAGE_DIR, Container, ContainerNotRunning
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
 from gpuctl.protocol import (
     LAUNCH_ABORT,
     LAUNCH_WAITING,
+    PULL_LOCATED,
+    PULL_WAITING,
     FollowStart,
     Inspection,
     KillReply,
     LaunchReply,
     MetricsChain,
+    PullReply,
     ScriptExit,
     launch_go,
     parse_follow_start,
+    pull_request,
+    stderr_messages,
 )
 from gpuctl.runs import LINUX_SIGNALS, Run, State, parse_metrics_lines
-from gpuctl.ssh import ConnectionLost
+from gpuctl.ssh import ConnectionLost, RemoteCommand
 from gpuctl.staging import (
     Package,
     PackageFile,
@@ -69,6 +75,8 @@ LOCK_REPLY_S = _seconds("GPUCTL_LOCK_REPLY_TIMEOUT", 120)
 RECONNECT_S = _seconds("GPUCTL_RECONNECT_TIMEOUT", 60)  # a follower's time to get a lost connection back
 HEARTBEAT_S = _seconds("GPUCTL_HEARTBEAT", 5)  # `logs --follow` hears from the container at least this often
 KILL_VERIFY_S = 10.0  # after SIGKILL, how long the group may take to disappear
+# How long pull.sh waits for gpuctl's request: gpuctl first hashes what it has of the files (GBs, maybe).
+PULL_REQUEST_S = 600.0
 LAUNCH_TAIL_LINES = 20
 LOSS_HISTORY_POINTS = 60  # losses `status` fetches for its sparkline
 
@@ -110,19 +118,33 @@ def inspect(ct: Container, run_number: int = 0, *, all_runs: bool = False, gpus:
 
 # launch ---------------------------------------------------------------------------------------------------
 
-DEFAULTS = {"config": "tiny", "python": "python3", "workdir": "/workspace", "log_dir": "/workspace"}
+# The interpreter is not among them: without --python, the container's side takes the one `gpuctl setup`
+# recorded (INTERPRETER_FILE), else python3 (lib.sh's resolve_python).
+DEFAULTS = {"workdir": "/workspace", "log_dir": "/workspace"}
+
+
+class LaunchTask(str, Enum):
+    """What `launch --task` runs (detached, as run.sh): the trainer, or the data regeneration."""
+
+    TRAIN = "train"  # python -m training.train
+    REGENERATE = "regenerate"  # python -m training.regenerate
+
+
+TASK_MODULES = {LaunchTask.TRAIN: "training.train", LaunchTask.REGENERATE: "training.regenerate"}
+TASK_CONFIGS = {LaunchTask.TRAIN: "tiny", LaunchTask.REGENERATE: "tiny-regenerate"}  # the default --config
 
 
 @dataclass
 class LaunchOptions:
-    config: str | None = None  # None: "tiny", or the resumed run's
+    config: str | None = None  # None: the task's default (TASK_CONFIGS), or the resumed run's
     sets: list[str] = field(default_factory=list)
-    python: str | None = None
+    python: str | None = None  # None: the container's (gpuctl setup's, else python3)
     workdir: str | None = None
     log_dir: str | None = None
     keep_compile_cache: bool = False
     replace: bool = False
     resume: int | None = None  # a run number to continue (0: the latest run)
+    task: LaunchTask | None = None  # None: the resumed run's task, else train
 
 
 @dataclass
@@ -134,6 +156,8 @@ class LaunchResult:
     tail: bytes = b""  # the log's last lines when the run ended during the start check
     replaced: list[KillResult] = field(default_factory=list)
     resumed_from: int | None = None
+    python: str | None = None  # the interpreter the run uses, as the container resolved it
+    python_from: str | None = None  # "option" (--python), "recorded" (gpuctl setup's), "default" (python3)
 
     def staging_json(self) -> dict[str, Any]:
         return {"files": len(self.package.files), "bytes": self.package.size, "digest": self.package.digest,
@@ -156,22 +180,33 @@ def _check_launch_options(opts: LaunchOptions) -> tuple[LaunchOptions, Path | No
             raise usage_error(f"--set takes KEY=VALUE, got {item!r}")
         if "\n" in item or "\0" in item:
             raise usage_error(f"--set value must not contain NUL or newline characters: {item!r}")
-    config, python = opts.config or DEFAULTS["config"], opts.python or DEFAULTS["python"]
+    task = LaunchTask(opts.task or LaunchTask.TRAIN)
+    config, python = opts.config or TASK_CONFIGS[task], opts.python
     if opts.config == "" or opts.python == "":
         raise usage_error("--config and --python must not be empty")
+    if python is not None:
+        check_python(python)
     local = Path(config).expanduser()
     config_file = local if local.is_file() and not config.startswith(f"{STAGE_DIR}/") else None
-    checked = replace(opts, config=f"{STAGE_DIR}/configs/{local.name}" if config_file else config, python=python,
+    checked = replace(opts, task=task, config=f"{STAGE_DIR}/configs/{local.name}" if config_file else config,
+                      python=python,
                       workdir=_remote_dir(opts.workdir or DEFAULTS["workdir"], "--workdir"),
                       log_dir=_remote_dir(opts.log_dir or DEFAULTS["log_dir"], "--log-dir"), sets=list(opts.sets))
     return checked, config_file
 
 
+def check_python(python: str) -> str:
+    if any(ord(c) < 32 for c in python):
+        raise usage_error(f"--python must not contain control characters: {python!r}")
+    return python
+
+
 def resume_options(opts: LaunchOptions, record: dict[str, Any]) -> LaunchOptions:
-    """A resumed run: the run's own config, sets, interpreter, directories; what the command line gives wins,
-    and its --set values come after the run's (so they override them)."""
+    """A resumed run: the run's own task, config, sets, interpreter, directories; what the command line gives
+    wins, and its --set values come after the run's (so they override them)."""
     log_path = record.get("log_path") or ""
-    return replace(opts, config=opts.config or record.get("config"),
+    return replace(opts, task=LaunchTask(record.get("task") or LaunchTask.TRAIN),
+                   config=opts.config or record.get("config"),
                    sets=[*record.get("sets", []), *opts.sets], python=opts.python or record.get("python"),
                    workdir=opts.workdir or record.get("workdir"),
                    log_dir=opts.log_dir or (str(PurePosixPath(log_path).parent) if log_path else None))
@@ -182,30 +217,52 @@ def _holder() -> str:
     return f"{who} (gpuctl pid {os.getpid()}, since {datetime.now(timezone.utc).isoformat(timespec='seconds')})"
 
 
-def _script_values(target: Target, opts: LaunchOptions) -> dict[str, Any]:
+def detached_values(target: Target, task: str, fields: dict[str, Any], *, python: str | None,
+                    use_recorded_python: bool, log_dir: str, workdir: str, keep_compile_cache: bool,
+                    replacing: bool) -> dict[str, Any]:
+    """launch.sh's values for a detached task: "train" and "regenerate" run the staged run.sh (a training run, a
+    data regeneration), "setup" the staged setup.sh (gpuctl setup's installation); each has its own numbered log
+    (<task>_tlN.log) and a record that names the task."""
     record_fields = {
-        "host": target.host, "container": target.ct, "config": opts.config, "sets": opts.sets,
-        "python": opts.python, "workdir": opts.workdir,
+        "task": task, "host": target.host, "container": target.ct, **fields,
         "launched_by": f"{getpass.getuser()}@{socket.gethostname()}", "gpuctl_version": __version__,
     }
-    if opts.resume:
-        record_fields.update(resumed_from=opts.resume)
-    reply_timeout = LOCK_REPLY_S + (2 * 30.0 + KILL_VERIFY_S if opts.replace else 0)
+    reply_timeout = LOCK_REPLY_S + (2 * 30.0 + KILL_VERIFY_S if replacing else 0)
+    log_stem = f"{task}_tl"
     return {
-        "stage_dir": STAGE_DIR, "log_dir": opts.log_dir, "workdir": opts.workdir, "python": opts.python,
-        "keep_compile_cache": opts.keep_compile_cache, "holder": _holder(), "reply_timeout": int(reply_timeout),
-        "log_prefix": json.dumps(f"{opts.log_dir.rstrip('/')}/train_tl")[:-1],
+        "stage_dir": STAGE_DIR, "log_dir": log_dir, "workdir": workdir, "python": python or "",
+        "interpreter_file": INTERPRETER_FILE if use_recorded_python else "", "entry": TASK_ENTRIES[task],
+        "keep_compile_cache": keep_compile_cache, "holder": _holder(), "reply_timeout": int(reply_timeout),
+        "log_stem": log_stem, "log_prefix": json.dumps(f"{log_dir.rstrip('/')}/{log_stem}")[:-1],
         "record_fields": json.dumps(record_fields)[1:-1],
     }
 
 
+# What the wrapper runs, in the staged package; a task's log is <task>_tlN.log.
+TASK_ENTRIES = {"train": "run.sh", "regenerate": "run.sh", "setup": "setup.sh"}
+
+
+def _script_values(target: Target, opts: LaunchOptions) -> dict[str, Any]:
+    fields: dict[str, Any] = {"config": opts.config, "sets": opts.sets, "workdir": opts.workdir}
+    if opts.resume:
+        fields.update(resumed_from=opts.resume)
+    return detached_values(target, opts.task.value, fields, python=opts.python, use_recorded_python=True,
+                           log_dir=opts.log_dir, workdir=opts.workdir, keep_compile_cache=opts.keep_compile_cache,
+                           replacing=opts.replace)
+
+
 def _package(config_file: Path | None, opts: LaunchOptions) -> Package:
     """The trainer (and local config), this launch's run.sh, and the wrapper."""
+    # A regenerate run resumes by running again: the module itself skips every record already written.
     run_sh = scripts.render("run.sh", stage_dir=STAGE_DIR, workdir=opts.workdir, python=opts.python,
-                            config=opts.config, sets=opts.sets, resume=opts.resume is not None)
-    wrapper = scripts.render("wrapper.sh", records_dir=RECORDS_DIR)
-    return build_package(config_file).with_files([file_from_bytes("run.sh", run_sh.encode(), 0o755),
-                                                  file_from_bytes("gpuctl-wrapper.sh", wrapper.encode(), 0o755)])
+                            module=TASK_MODULES[opts.task], config=opts.config, sets=opts.sets,
+                            resume=opts.resume is not None and opts.task == LaunchTask.TRAIN)
+    return build_package(config_file).with_files([file_from_bytes("run.sh", run_sh.encode(), 0o755), wrapper_file()])
+
+
+def wrapper_file() -> PackageFile:
+    """gpuctl-wrapper.sh, which runs a detached task and records how it ended."""
+    return file_from_bytes("gpuctl-wrapper.sh", scripts.render("wrapper.sh", records_dir=RECORDS_DIR).encode(), 0o755)
 
 
 def _kept_config(package: Package, opts: LaunchOptions, remote: dict[str, str]) -> Package:
@@ -219,13 +276,14 @@ def _kept_config(package: Package, opts: LaunchOptions, remote: dict[str, str]) 
 def plan_launch(target: Target, opts: LaunchOptions) -> str:
     """What `launch --dry-run` shows: the command, the script, and the package it would stage."""
     opts, config_file = _check_launch_options(opts)
-    package = _package(config_file, opts)
+    interpreter = opts.python or f"the one gpuctl setup recorded in {INTERPRETER_FILE}, else python3"
+    package = _package(config_file, replace(opts, python=opts.python or "<interpreter>"))
     command = scripts.render("pct_exec", ctid=target.ct).strip()
     script = scripts.render("launch.sh", records_dir=RECORDS_DIR, **_script_values(target, opts))
     files = package.files
     return (f"# on {target.host}: {command}   (script on stdin)\n{script}\n"
             f"# then, only the files the container lacks of the package ({len(files)} files, {package.size} bytes, "
-            f"sha256 {package.digest[:12]}); {STAGE_DIR}/run.sh will be:\n"
+            f"sha256 {package.digest[:12]}); {STAGE_DIR}/run.sh will be (<interpreter>: {interpreter}):\n"
             f"{files['run.sh'].data.decode()}")
 
 
@@ -236,34 +294,73 @@ def _active_conflict(ct: Container, active: Run) -> GpuctlError:
                        "or launch with --replace", ExitCode.CONFLICT)
 
 
+def _resumable(ct: Container, number: int, task: LaunchTask | None) -> Run:
+    """The run `launch --resume [N]` continues: run N, or the latest run of `task` (any task but a gpuctl setup
+    when None)."""
+    tasks = {task.value} if task else {t.value for t in LaunchTask}
+    found = inspect(ct, number).runs
+    if found and found[0].task not in tasks and number == 0:
+        found = [run for run in inspect(ct, all_runs=True).runs if run.task in tasks][-1:]
+    if not found:
+        raise usage_error(f"no {task.value + ' ' if task else ''}runs in CT {ct.ctid} to resume")
+    if found[0].task not in {t.value for t in LaunchTask}:
+        raise usage_error(f"{found[0].run_id} is a gpuctl {found[0].task}, not a training run: nothing to resume")
+    if found[0].task not in tasks:
+        raise usage_error(f"{found[0].run_id} is a {found[0].task} run, not {task.value}: leave out --task")
+    return found[0]
+
+
+def _no_python(ct: Container, reply: LaunchReply, task: str) -> GpuctlError:
+    python = reply.python or "python3"
+    if reply.python_from == "option":
+        return usage_error(f"{python!r} not found in CT {ct.ctid}: pass --python PATH")
+    if reply.python_from == "recorded":
+        return GpuctlError(f"{python}, the interpreter gpuctl setup recorded in {INTERPRETER_FILE}, is gone from CT "
+                           f"{ct.ctid}: run gpuctl setup again (or pass --python PATH)", ExitCode.ENV_NOT_READY)
+    fix = "install Python >= 3.10 in it" if task == "setup" else "gpuctl setup prepares one"
+    return GpuctlError(f"no {python} in CT {ct.ctid}: {fix} (or pass --python PATH)", ExitCode.ENV_NOT_READY)
+
+
 def launch(ct: Container, target: Target, opts: LaunchOptions, notify: Notify,
            progress: Callable[[int], Tracker] | None = None) -> LaunchResult:
     """Start a run. progress(total bytes) gives the tracker of the changed files' transfer."""
     resumed = None
     if opts.resume is not None:
-        found = inspect(ct, opts.resume).runs
-        if not found:
-            raise usage_error(f"no runs in CT {ct.ctid} to resume")
-        resumed = found[0]
+        resumed = _resumable(ct, opts.resume, opts.task)
         opts = resume_options(replace(opts, resume=resumed.number), resumed.record)
     opts, config_file = _check_launch_options(opts)
-    package = _package(config_file, opts)
-    remote = ct.start("launch", **_script_values(target, opts))
+
+    def package(report: LaunchReply) -> Package:  # run.sh names the interpreter the container resolved
+        ran = replace(opts, python=report.python)
+        return _kept_config(_package(config_file, ran), ran, report.manifest)
+
+    result = start_detached(ct, _script_values(target, opts), package, opts.task.value, opts.replace, notify,
+                            progress)
+    return replace(result, resumed_from=resumed.number if resumed else None)
+
+
+def start_detached(ct: Container, values: dict[str, Any], package_for: Callable[[LaunchReply], Package],
+                   task: str, replace_active: bool, notify: Notify,
+                   progress: Callable[[int], Tracker] | None = None) -> LaunchResult:
+    """launch.sh's conversation: under the container's launch lock, stage package_for(its report) and start the
+    task detached; wait until it runs. The one way gpuctl starts something that outlives the connection."""
+    remote = ct.start("launch", **values)
     head, waiting = remote.read_until(LAUNCH_WAITING)
     if not waiting:  # the script ended before it could stage
         result = ct.finish(remote)
+        early = LaunchReply.parse(head + result.stdout)
         if result.rc == ScriptExit.LOCKED:
-            holder = (LaunchReply.parse(head + result.stdout).holder or "").strip() or "unknown"
+            holder = (early.holder or "").strip() or "unknown"
             raise GpuctlError(f"another launch holds CT {ct.ctid}'s launch lock: {holder}", ExitCode.CONFLICT)
         if result.rc == ScriptExit.NO_PYTHON:
-            raise usage_error(f"{opts.python!r} not found in CT {ct.ctid}: pass --python PATH")
+            raise _no_python(ct, early, task)
         raise ct.failure(result, "launch")
     report = LaunchReply.parse(head)  # under the lock, before our answer
     if report.recovered is not None:
         notify(f"took over CT {ct.ctid}'s launch lock from a launch that overran its deadline: {report.recovered}")
     replaced = []
     if report.active:
-        if not opts.replace:
+        if not replace_active:
             remote.send(LAUNCH_ABORT)
             remote.close_stdin()
             ct.finish(remote)
@@ -271,7 +368,7 @@ def launch(ct: Container, target: Target, opts: LaunchOptions, notify: Notify,
         for active in report.active:
             notify(f"--replace: killing tl{active.number} first")
             replaced.append(kill(ct, active.number, "TERM", grace=30.0, notify=notify))
-    package = _kept_config(package, opts, report.manifest)
+    package = package_for(report)
     plan = plan_stage(package, report.manifest)
     remote.send(launch_go(plan.changed_bytes, package.manifest()))
     tracker = progress(plan.changed_bytes) if progress and plan.archive else None
@@ -288,8 +385,8 @@ def launch(ct: Container, target: Target, opts: LaunchOptions, notify: Notify,
     if result.rc != 0 or reply.record is None:
         raise ct.failure(result, "launch")
     run, tail = wait_until_started(ct, reply.record["number"])
-    return LaunchResult(run=run, package=package, plan=plan, sent_file_bytes=sent_file_bytes,
-                        tail=tail, replaced=replaced, resumed_from=resumed.number if resumed else None)
+    return LaunchResult(run=run, package=package, plan=plan, sent_file_bytes=sent_file_bytes, tail=tail,
+                        replaced=replaced, python=report.python, python_from=report.python_from)
 
 
 def wait_until_started(ct: Container, number: int) -> tuple[Run, bytes]:
@@ -352,7 +449,7 @@ class StatusReport:
 
     def to_json(self) -> dict:
         keys = ("run_id", "state", "exit_code", "pid", "pgid", "started_at", "ended_at", "elapsed_s", "log_path",
-                "log_size", "progress", "config", "killed_signal", "resumed_from")
+                "log_size", "progress", "config", "killed_signal", "resumed_from", "task", "python")
         doc = self.run.to_json() if self.run else dict.fromkeys(keys)
         doc["gpus"] = [g.to_json() for g in self.gpus]
         doc["container"] = {"ctid": self.ctid, "status": self.container_status, "host": self.host}
@@ -508,3 +605,100 @@ def follow_log(ct: Container, run_number: int, lines: int | None, write: Write, 
 
 def follow_exit_code(run: Run) -> ExitCode:
     return ExitCode.OK if run.state == State.SUCCEEDED else ExitCode.RUN_FAILED
+
+
+# pull -----------------------------------------------------------------------------------------------------
+
+class PullWhat(str, Enum):
+    EXPORT = "export"
+    CHECKPOINT = "checkpoint"
+    METRICS = "metrics"
+
+
+@dataclass
+class PullResult:
+    run: Run
+    what: PullWhat
+    source: str  # where the files are in the container
+    export_from: str | None  # the checkpoint this pull made the export from (None: the export was there)
+    dest: Path
+    outcome: transfer.Outcome
+    received_bytes: int  # what the SSH layer read in this invocation, all of it
+
+    def to_json(self) -> dict[str, Any]:
+        o = self.outcome
+        return {"run_id": self.run.run_id, "what": self.what.value, "source": self.source,
+                "export_made_from": self.export_from, "dest": str(self.dest),
+                "files": [f.to_json() for f in o.files],
+                "bytes": {"total": o.total, "sent": o.sent, "resumed": o.resumed, "skipped": o.skipped},
+                "received_bytes": self.received_bytes}
+
+
+def _pull_ended_early(ct: Container, remote: RemoteCommand, said: bytes, what: str) -> GpuctlError:
+    result = ct.finish(remote)  # pct's errors and an unknown run (exit 2) raise here
+    if result.rc == ScriptExit.NOTHING:
+        lines = stderr_messages(result.stderr)
+        return GpuctlError(f"nothing to pull: {lines[-1] if lines else 'no such file'} (CT {ct.ctid})",
+                           ExitCode.RUN_FAILED)
+    reply = PullReply.parse(said + result.stdout)
+    if reply.export_from:
+        return ct.failure(result, f"making the export of {PurePosixPath(reply.export_from).name}")
+    return ct.failure(result, what)
+
+
+def pull_destination(dest: str, what: PullWhat, with_optimizer: bool) -> transfer.Destination:
+    """The options of a pull, checked before connecting: a bad DEST or combination is a usage error."""
+    if with_optimizer and what != PullWhat.CHECKPOINT:
+        raise usage_error("--with-optimizer is for --what checkpoint")
+    return transfer.destination(dest, directory=what != PullWhat.METRICS)
+
+
+def pull(ct: Container, run_number: int, what: PullWhat, dest: transfer.Destination, with_optimizer: bool,
+         notify: Notify, progress: Callable[[int], Tracker] | None = None) -> PullResult:
+    """Bring a run's export (made from its newest checkpoint when it has none that is current), newest checkpoint
+    or metrics file to dest (from pull_destination), every file checked against the container's sha256
+    (transfer.py says how)."""
+    skip = "state.pt" if what == PullWhat.CHECKPOINT and not with_optimizer else ""
+    remote = ct.start("pull", stage_dir=STAGE_DIR, what=what.value, skip=skip, run_number=run_number,
+                      reply_timeout=int(PULL_REQUEST_S))
+    said, located = remote.read_until(PULL_LOCATED)
+    if not located:
+        raise _pull_ended_early(ct, remote, said, "pull")
+    where = PullReply.parse(said)
+    if where.export_from:
+        notify(f"{where.run.run_id} has no export as new as its checkpoints: making one from "
+               f"{PurePosixPath(where.export_from).name} in CT {ct.ctid} (python -m training.export)")
+    rest, waiting = remote.read_until(PULL_WAITING)
+    if not waiting:
+        raise _pull_ended_early(ct, remote, said + rest, "pull")
+    reply = PullReply.parse(said + rest)
+    try:
+        plan = transfer.plan(dest, reply.files)
+    except GpuctlError:
+        remote.send(pull_request([]), kind="request")
+        remote.close_stdin()
+        ct.finish(remote)
+        raise
+    remote.send(pull_request(plan.wanted), kind="request")
+    remote.close_stdin()
+    tracker = progress(plan.to_send) if progress and plan.to_send else None
+    receiver = transfer.Receiver(plan, tracker)
+    try:
+        result = ct.finish(remote, on_stdout=receiver)
+    except ConnectionLost as lost:
+        receiver.close()
+        raise ConnectionLost(f"{lost}; {receiver.kept} bytes of it are kept in {plan.staging}: the same pull "
+                             "continues from there") from None
+    finally:
+        receiver.close()
+        if tracker:
+            tracker.close()
+    if result.rc != 0:
+        raise ct.failure(result, "pull")
+    if not receiver.complete or receiver.trailer:
+        raise GpuctlError(f"the container sent {'less' if not receiver.complete else 'more'} than it announced; "
+                          "run the pull again", ExitCode.RUN_FAILED)
+    transfer.commit(plan)
+    return PullResult(run=reply.run, what=what, source=reply.source or "", export_from=reply.export_from,
+                      dest=dest.path, outcome=transfer.outcome(plan, receiver),
+                      received_bytes=ct.session.stats.received)

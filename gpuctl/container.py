@@ -19,6 +19,8 @@ from gpuctl.target import Target
 
 RECORDS_DIR = "/workspace/.gpuctl"
 STAGE_DIR = "/root/gpuctl"
+# The interpreter `gpuctl setup` made (one line, its path): launch and doctor use it when --python is not given.
+INTERPRETER_FILE = f"{STAGE_DIR}/interpreter"
 PCT_MISSING = re.compile(r"Configuration file '\S+/lxc/(\d+)\.conf' does not exist")
 PCT_NOT_RUNNING = re.compile(r"container '(\d+)' not running")
 
@@ -65,8 +67,9 @@ class Container:
         remote.send(self.script(template, **values).encode())
         return remote
 
-    def finish(self, remote: RemoteCommand) -> Completed:
-        return self._checked(remote.finish())
+    def finish(self, remote: RemoteCommand, on_stdout: Callable[[bytes], None] | None = None) -> Completed:
+        """The rest of a conversing script: its output (to on_stdout as it arrives, when given) and exit code."""
+        return self._checked(remote.finish(on_stdout))
 
     def reconnect(self, within_s: float) -> None:
         """A new connection in place of a lost one, retried with backoff for up to within_s seconds."""

@@ -12,6 +12,7 @@ class ExitCode(IntEnum):
     HOST = 3  # cannot reach or log in to the host, host key refused
     CONTAINER = 4  # container missing or not running
     CONFLICT = 5  # a run is active, or another launch holds the lock
+    ENV_NOT_READY = 6  # the container's Python environment cannot train (doctor: no interpreter, missing packages, ...)
     INTERRUPTED = 130
 
 

@@ -2,7 +2,7 @@
 
 A script reports through `emit NAME VALUE` (templates/lib.sh.j2): one length-prefixed section on stdout,
 `@@NAME LENGTH\\nVALUE\\n`, so a value may hold any bytes; each script's sections are read into one typed
-reply here (LaunchReply, Inspection, KillReply, MetricsChain). Its exit code is 0, or one of ScriptExit, which
+reply here (LaunchReply, Inspection, KillReply, MetricsChain, PullReply). Its exit code is 0, or one of ScriptExit, which
 the templates receive as `exits` (scripts.render): the numbers are written here and nowhere else. Lines on
 stderr that start with `@@` are markers (logs.sh's follow header and heartbeat), never messages.
 """
@@ -27,6 +27,7 @@ class ScriptExit(IntEnum):
     ACTIVE = 76  # at gpuctl's go, a run is active after all (one started since the report)
     NO_PYTHON = 77  # the launch's --python is not in the container
     NO_RUN = 78  # no such run (or no run at all) in the container: its stderr line says which
+    NOTHING = 79  # pull.sh: the run has nothing of what was asked (no export nor checkpoint): its stderr line says what
 
 
 def parse_sections(data: bytes) -> list[tuple[str, bytes]]:
@@ -69,6 +70,8 @@ class LaunchReply:
     """What launch.sh said: its report under the lock (up to LAUNCH_WAITING), or what it said after the answer."""
 
     holder: str | None = None  # who holds the launch lock (exit LOCKED)
+    python: str | None = None  # the interpreter the run will use (exit NO_PYTHON: the one not found)
+    python_from: str | None = None  # where that came from: "option" (--python), "recorded" (gpuctl setup's), "default"
     recovered: str | None = None  # the holder this launch took the lock over from (it overran its deadline)
     active: list[Run] = field(default_factory=list)  # the runs alive in the container (exit ACTIVE after go)
     manifest: dict[str, str] = field(default_factory=dict)  # the staged package's files: {name: sha256}
@@ -83,7 +86,7 @@ class LaunchReply:
                 numbers.append(int(value))
             elif name == "active_record":
                 records.append(json.loads(value or b"{}"))
-            elif name in ("holder", "recovered"):
+            elif name in ("holder", "recovered", "python", "python_from"):
                 found[name] = value.decode(errors="replace")
             elif name == "manifest":
                 found[name] = parse_manifest(value)
@@ -187,3 +190,119 @@ def parse_follow_start(stderr: bytes) -> FollowStart | None:
     """The header, once stderr holds it."""
     m = FOLLOW_HEADER.search(stderr)
     return FollowStart(int(m[1]), int(m[2])) if m else None
+
+
+# pull.sh: a conversation. It says where the run's files are (PullReply) up to PULL_LOCATED, and when it must make
+# the export first, from which checkpoint (then it runs training.export); then the files' manifest up to
+# PULL_WAITING. It reads gpuctl's request (pull_request) and sends the asked files' bytes back to back, in the order
+# asked, from each one's offset to the size it reported: gpuctl frames them by those sizes.
+PULL_LOCATED = section("located", b"")
+PULL_WAITING = section("waiting", b"")
+
+
+class RemoteFile(NamedTuple):
+    """A file pull.sh offers: its name under the source directory, its size and sha256 when it was opened."""
+
+    name: str
+    size: int
+    sha256: str
+
+
+def pull_request(wanted: list[tuple[int, int]]) -> bytes:
+    """`INDEX OFFSET` for each file wanted (its index in the manifest, the first byte to send), an empty line."""
+    return b"".join(f"{index} {offset}\n".encode() for index, offset in wanted) + b"\n"
+
+
+@dataclass(frozen=True)
+class PullReply:
+    """What pull.sh said: the run, where its files come from, and (once it reached PULL_WAITING) the manifest."""
+
+    run: Run | None = None
+    output_dir: str | None = None  # what the run's trainer said at its start (not for metrics)
+    source: str | None = None  # the directory the files are in (the metrics file itself for metrics)
+    export_from: str | None = None  # the checkpoint an export is being made from for this pull, if one is
+    files: list[RemoteFile] = field(default_factory=list)
+
+    @classmethod
+    def parse(cls, data: bytes) -> PullReply:
+        sections = dict(parse_sections(data))
+        run = None
+        if "run" in sections:
+            run = Run(number=int(sections["run"]), record=json.loads(sections.get("record") or b"{}"), alive=False)
+        files = []
+        for line in sections.get("manifest", b"").decode(errors="surrogateescape").splitlines():
+            size, sha256, name = line.split(" ", 2)
+            files.append(RemoteFile(name, int(size), sha256))
+        text = {name: sections[name].decode(errors="surrogateescape") for name in ("output_dir", "source",
+                                                                                  "export_from") if name in sections}
+        return cls(run=run, files=files, **text)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What the interpreter said of itself in one start (templates/probe.py.j2)."""
+
+    version: str  # Python's, e.g. "3.11.7"
+    executable: str
+    prefix: str  # a virtual environment's directory, or the installation's
+    packages: dict[str, dict[str, str | None]]  # distribution -> {"version", "error"} (error: the import failed)
+    torch: dict[str, Any] | None  # version, cuda (None: a CPU-only build), available, device_count; None: no torch
+    output_dir: dict[str, Any] | None  # the last training run's: run, path, free, total (or error); None: no run
+
+    @classmethod
+    def parse(cls, data: bytes) -> Probe | None:
+        """The report on the output's last line; None when the interpreter gave none."""
+        lines = data.decode(errors="replace").strip().splitlines()
+        try:
+            doc = json.loads(lines[-1]) if lines else None
+        except ValueError:
+            return None
+        if not isinstance(doc, dict) or "version" not in doc:
+            return None
+        return cls(version=doc["version"], executable=doc.get("executable", ""), prefix=doc.get("prefix", ""),
+                   packages=doc.get("packages", {}), torch=doc.get("torch"), output_dir=doc.get("output_dir"))
+
+
+@dataclass(frozen=True)
+class DoctorReply:
+    """What doctor.sh found in the container; gpuctl/doctor.py makes the checks of it."""
+
+    python: str  # the interpreter it checked
+    python_from: str  # "option" (--python), "recorded" (gpuctl setup's), "default" (python3)
+    python_found: bool
+    probe: Probe | None  # None: the interpreter is missing, or gave no report (probe_error says what it said)
+    probe_error: str
+    active: list[Run]  # the runs alive in the container
+    last_run: dict[str, Any] | None  # the record of the last training run
+    workspace: tuple[int, int] | None  # /workspace's (free, total) bytes; None: no /workspace
+    compile_cache_bytes: int | None  # /tmp/torchinductor_root's size; None: there is none
+    gpus_csv: bytes | None  # nvidia-smi's GPU table (commands.parse_gpus reads it); None: no nvidia-smi
+    smi: str  # the start of nvidia-smi's own output: the driver's version, and the CUDA version it supports
+
+    @classmethod
+    def parse(cls, data: bytes) -> DoctorReply:
+        found: dict[str, bytes] = {}
+        numbers, records = [], []
+        for name, value in parse_sections(data):
+            if name == "active":
+                numbers.append(int(value))
+            elif name == "active_record":
+                records.append(json.loads(value or b"{}"))
+            else:
+                found[name] = value
+        text = {k: v.decode(errors="replace") for k, v in found.items()}
+        df = text.get("workspace", "").split()
+        workspace = (int(df[3]), int(df[1])) if len(df) >= 4 and df[1].isdigit() and df[3].isdigit() else None
+        cache = text.get("compile_cache", "").strip()
+        python_found = text.get("python_found") == "1"
+        probe = Probe.parse(found.get("probe", b"")) if python_found else None
+        error = ""
+        if python_found and probe is None:
+            said = (text.get("probe_stderr", "").strip() or text.get("probe", "").strip()).splitlines()
+            error = f"exit {text.get('probe_rc', '?')}" + (f": {said[-1]}" if said else "")
+        return cls(python=text.get("python", ""), python_from=text.get("python_from", ""),
+                   python_found=python_found, probe=probe, probe_error=error,
+                   active=[Run(number=n, record=r, alive=True) for n, r in zip(numbers, records)],
+                   last_run=json.loads(found["last_run"]) if found.get("last_run") else None,
+                   workspace=workspace, compile_cache_bytes=int(cache) if cache.isdigit() else None,
+                   gpus_csv=found.get("gpus"), smi=text.get("smi", ""))

@@ -18,11 +18,13 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColu
 from rich.table import Table
 from rich.text import Text
 
-from gpuctl.commands import KillResult, LaunchResult, StatusReport
+from gpuctl.commands import KillResult, LaunchResult, PullResult, StatusReport
+from gpuctl.doctor import DoctorReport
 from gpuctl.runs import Run, State
 
 SPARK = "▁▂▃▄▅▆▇█"
 PROGRESS_AFTER_S = 0.5  # a transfer shows a progress bar only once it has taken this long
+CHECK_STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red"}
 STATE_STYLE = {State.STARTING: "yellow", State.RUNNING: "green", State.SUCCEEDED: "bold green",
                State.FAILED: "bold red", State.KILLED: "magenta", State.LOST: "red"}
 
@@ -90,7 +92,8 @@ def progress_text(run: Run) -> str:
     p = run.progress
     if p is None:
         return "-"
-    parts = [f"step {p.step}/{p.total_steps}" if p.total_steps else f"step {p.step}"]
+    unit = "records" if run.task == "regenerate" else "step"  # a regeneration counts the records written
+    parts = [f"{unit} {p.step}/{p.total_steps}" if p.total_steps else f"{unit} {p.step}"]
     if p.total_steps:
         parts[0] += f" ({100 * p.step / p.total_steps:.0f}%)"
     if p.loss is not None:
@@ -130,9 +133,13 @@ def _run_grid(run: Run, losses: list[float]) -> Table:
     grid.add_row("progress", progress_text(run))
     if spark := sparkline(losses):
         grid.add_row("loss", Text.assemble((spark, "cyan"), f"  {losses[0]:.4g} → {losses[-1]:.4g}"))
-    config = str(run.record.get("config", "-"))
+    if run.task == "setup":  # gpuctl setup's installation: no config
+        grid.add_row("task", f"{run.task} (venv {run.record.get('venv', '-')}, from {run.record.get('python', '-')})")
+        return grid
+    notes = [f"task {run.task}"] * (run.task != "train")
     if run.record.get("resumed_from"):
-        config += f" (resumed tl{run.record['resumed_from']})"
+        notes.append(f"resumed tl{run.record['resumed_from']}")
+    config = str(run.record.get("config", "-")) + (f" ({', '.join(notes)})" if notes else "")
     grid.add_row("config", config)
     return grid
 
@@ -218,12 +225,12 @@ def runs_table(runs: list[Run], ctid: int, host: str, as_json: bool) -> None:
         out.print(f"no runs in CT {ctid} yet")
         return
     table = Table(box=None, pad_edge=False)
-    for name in ("run", "state", "exit", "started", "duration", "log", "size"):
+    for name in ("run", "task", "state", "exit", "started", "duration", "log", "size"):
         table.add_column(name, header_style="bold", no_wrap=name != "log")
     for run in runs:
         exit_code = "-" if run.exit_code is None else str(run.exit_code)
-        table.add_row(run.run_id, state_text(run), exit_code, local_time(run.started_at), duration(run.elapsed_s),
-                      run.log_path or "-", size(run.log_size))
+        table.add_row(run.run_id, run.task, state_text(run), exit_code, local_time(run.started_at),
+                      duration(run.elapsed_s), run.log_path or "-", size(run.log_size))
     out.print(table)
 
 
@@ -233,7 +240,8 @@ def launch_result(result: LaunchResult, as_json: bool, to_stderr: bool, show_tai
         json_doc(dict(run.to_json(), staging=result.staging_json()))
     out = _console(stderr=to_stderr or as_json)  # with --json, the human lines go to stderr
     resumed = f", resuming tl{result.resumed_from}" if result.resumed_from else ""
-    out.print(Text.assemble("started ", (run.run_id, "bold"), f" (pid {run.record.get('pid')}, "
+    task = {"train": "", "setup": "gpuctl setup, "}.get(run.task, f"task {run.task}, ")
+    out.print(Text.assemble("started ", (run.run_id, "bold"), f" ({task}pid {run.record.get('pid')}, "
                             f"process group {run.record.get('pgid')}{resumed}): ", state_text(run)))
     plan = result.plan
     changed = len(plan.changed)
@@ -241,6 +249,8 @@ def launch_result(result: LaunchResult, as_json: bool, to_stderr: bool, show_tai
             else "unchanged, nothing sent")
     out.print(Text(f"log: {run.log_path}   (package: {len(result.package.files)} files, "
                    f"{size(result.package.size)}; {sent})"))
+    if result.python_from == "recorded":
+        out.print(Text(f"python: {result.python} (made by gpuctl setup)"))
     if result.tail and show_tail:
         message(f"{run.run_id} ended during its start ({run.state.value}, exit {run.exit_code}); the log's end:")
         sys.stderr.write(result.tail.decode(errors="replace").rstrip("\n") + "\n")
@@ -260,3 +270,38 @@ def kill_result(result: KillResult) -> None:
 
 def run_ended(run: Run) -> None:
     message(f"{run.run_id} ended: {run.state.value}, exit {run.exit_code}")
+
+
+def pull_result(result: PullResult, as_json: bool) -> None:
+    if as_json:
+        json_doc(result.to_json())
+        return
+    o = result.outcome
+    count = len(o.files)
+    made = f", exported now from {result.export_from.rsplit('/', 1)[-1]}" if result.export_from else ""
+    parts = [f"sent {size(o.sent)}"]
+    if o.resumed:
+        parts.append(f"{size(o.resumed)} resumed from an earlier pull")
+    if o.skipped:
+        parts.append(f"{size(o.skipped)} already there")
+    _console(stderr=False).print(Text(
+        f"pulled {result.run.run_id}'s {result.what.value} ({count} file{'s' * (count != 1)}, {size(o.total)}"
+        f"{made}) to {result.dest}: {', '.join(parts)}; every file's sha256 matches the container's"))
+
+
+def doctor_report(report: DoctorReport, as_json: bool, to_stderr: bool = False) -> None:
+    """A line per check: ok, warn or fail, the check, what was found, and for a problem the fix. When the checks
+    stopped at the host or the container (report.error), the caller's one error line says it all."""
+    if as_json:
+        json_doc(report.to_json())
+        return
+    if report.error:
+        return
+    out = _console(stderr=to_stderr)
+    width = max(len(c.name) for c in report.checks)
+    for check in report.checks:
+        line = Text.assemble((f"{check.status:<4}", CHECK_STYLE[check.status]), f"  {check.name:<{width}}  ",
+                             check.detail)
+        if check.fix:
+            line.append(f"; fix: {check.fix}", style="bold" if check.status == "fail" else "")
+        out.print(line, soft_wrap=True)

@@ -122,6 +122,11 @@ class Run:
         return f"tl{self.number}"
 
     @property
+    def task(self) -> str:
+        """What the run does: "train" (a training run), or "setup" (gpuctl setup's installation)."""
+        return self.record.get("task") or "train"
+
+    @property
     def exit_code(self) -> int | None:
         return self.record.get("exit_code")
 
@@ -166,4 +171,6 @@ class Run:
             "config": self.record.get("config"),
             "killed_signal": self.record.get("killed_signal"),
             "resumed_from": f"tl{self.record['resumed_from']}" if self.record.get("resumed_from") else None,
+            "task": self.task,
+            "python": self.record.get("python"),
         }

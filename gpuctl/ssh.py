@@ -42,6 +42,7 @@ class Stats:
     connect_s: float = 0.0  # the latest connection's
     remote_commands: int = 0
     sent: Counter = field(default_factory=Counter)  # bytes written to remote commands' stdin, by kind
+    received: int = 0  # bytes read from remote commands' stdout and stderr
 
 
 @dataclass(frozen=True)
@@ -220,14 +221,31 @@ class RemoteCommand:
                 on_stdout(bytes(self._pending))
                 self._pending.clear()
             self._pump(on_stdout, on_err, idle_timeout, stop=None)
-            while data := self._chan.recv_stderr(RECV_BYTES):
-                on_err(data)
+            while (data := self._recv(stderr=True)) != b"":
+                if data:
+                    on_err(data)
             rc = self._chan.recv_exit_status()
             if rc == -1 and self._session.dropped():
                 raise self._session.lost("the connection dropped")
         finally:
-            self._chan.close()
+            try:
+                self._chan.close()
+            except (OSError, EOFError, paramiko.SSHException):
+                pass  # the connection is gone: what ended the command says so
         return Completed(rc, bytes(out), bytes(self.stderr))
+
+    def _recv(self, stderr: bool = False) -> bytes | None:
+        """One read of the command's stdout (or stderr): b"" at its end, None when nothing came within the channel's
+        timeout. A read may make paramiko write (a window adjustment), which fails on a dead link: a lost
+        connection, like any other failed read."""
+        try:
+            data = (self._chan.recv_stderr if stderr else self._chan.recv)(RECV_BYTES)
+        except TimeoutError:
+            return None
+        except (OSError, EOFError, paramiko.SSHException) as e:
+            raise self._session.lost(f"reading from the remote command failed: {e or type(e).__name__}") from None
+        self._session.stats.received += len(data)
+        return data
 
     def _pump(self, on_stdout: Callable[[bytes], None], on_stderr: Callable[[bytes], None],
               idle_timeout: float | None, stop: Callable[[], bool] | None) -> bool:
@@ -235,12 +253,9 @@ class RemoteCommand:
         (a command that sends heartbeats) means the link is dead even if TCP has not noticed yet."""
         heard = time.monotonic()
         while True:
-            try:
-                data = self._chan.recv(RECV_BYTES)
-            except TimeoutError:
-                data = None
+            data = self._recv()
             while self._chan.recv_stderr_ready():
-                on_stderr(self._chan.recv_stderr(RECV_BYTES))
+                on_stderr(self._recv(stderr=True) or b"")
                 heard = time.monotonic()
             if data:
                 on_stdout(data)
@@ -388,7 +403,7 @@ def connect(target: Target, stats: Stats | None = None) -> Session:
 def trace_line(stats: Stats) -> str:
     sent = ", ".join(f"{kind} {n} B" for kind, n in sorted(stats.sent.items())) or "nothing"
     return (f"gpuctl: trace: connect {stats.connect_s * 1000:.0f} ms, {stats.remote_commands} remote commands, "
-            f"sent: {sent}")
+            f"sent: {sent}; received {stats.received} B")
 
 
 def tracing() -> bool:

@@ -39,6 +39,8 @@ class TrainConfig:
     output_dir: str = "runs/dflash"
     build_tiny: bool = False  # build the tiny random Qwen3 target and its data at the paths above if missing
     overwrite_output: bool = False  # a fresh run may delete an earlier run's checkpoints in output_dir
+    enable_thinking: bool = False  # the chat template's thinking switch (Qwen3); what the data was generated with
+    skip_bad_data: bool = False  # skip data lines that are not conversations (counted in the log) instead of exit 2
 
     # Optimisation (the paper's recipe by default).
     max_steps: int = 1000
@@ -193,8 +195,8 @@ def _matches(value, tp) -> bool:
     return isinstance(value, tp)
 
 
-def _apply(values: dict, where: str, config: TrainConfig) -> None:
-    hints = typing.get_type_hints(TrainConfig)
+def _apply(values: dict, where: str, config) -> None:
+    hints = typing.get_type_hints(type(config))
     for key, value in values.items():
         if key not in hints:
             raise ConfigError(f"unknown config key {key!r} ({where})")
@@ -231,9 +233,10 @@ def resolve_preset(name_or_path: str) -> Path:
     return preset
 
 
-def load_config(name_or_path: str | None, overrides: list[str] = ()) -> TrainConfig:
-    """Defaults, then the TOML preset or file, then each --set override; validated."""
-    config = TrainConfig()
+def load_config(name_or_path: str | None, overrides: list[str] = (), kind: type = TrainConfig):
+    """Defaults, then the TOML preset or file, then each --set override; validated. `kind` is the config
+    dataclass (TrainConfig, or regenerate's RegenerateConfig), with a validate() that returns itself."""
+    config = kind()
     if name_or_path:
         path = resolve_preset(name_or_path)
         try:

@@ -1,9 +1,20 @@
 """Chat data -> fixed-shape training batches.
 
-Conversations are tokenised with the target's own tokenizer and chat template; the loss covers assistant tokens
-only. Every batch has exactly `batch_size` rows, a sequence length from a few fixed buckets and exactly
-`num_anchors` blocks per row (unused ones marked invalid): a compiled flex_attention must only ever see a small,
-fixed set of shapes.
+Conversations are tokenised with the target's own tokenizer and chat template (training/tokenized.py caches the
+result on disk, so a run tokenises its data once). Every batch has exactly `batch_size` rows, a sequence length
+from a few fixed buckets and exactly `num_anchors` blocks per row (unused ones marked invalid): a compiled
+flex_attention must only ever see a small, fixed set of shapes.
+
+Which tokens carry loss: the tokens the target itself produced. A conversation is rendered once, whole, with the
+chat template (and its options, e.g. Qwen3's `enable_thinking`, which must be the ones the data was generated
+with); in it, every assistant turn carries loss from the end of the template's generation prompt (rendered for
+the conversation up to that turn, with the same options) through the turn's end-of-turn token (`<|im_end|>`),
+inclusive. So the role header, everything the generation prompt itself adds (Qwen3 with thinking off: the empty
+`<think>\n\n</think>\n\n` scaffold), the template's newline after `<|im_end|>`, and every system, user and tool
+token carry none. Reasoning the template keeps (Qwen3: the last turns' `<think>...</think>`) carries loss like
+the reply; reasoning it drops from earlier turns is not in the sequence. The end-of-turn token is the first
+token the template puts after a reply (found once by rendering a probe conversation). Sequences are truncated to
+`max_length`; those left with under 2 x block_size loss tokens, or none with a whole block after it, are dropped.
 
 The stream is a pure function of (seed, epoch, position): the epoch's order and each sequence's anchors come
 from RNGs seeded by those numbers, so its state_dict is three integers and a resumed run draws exactly the
@@ -17,7 +28,11 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
+
+MESSAGES_SHAPE = '{"messages": [{"role", "content"}]}'
+PROBE = [{"role": "user", "content": "gpuctl-probe-question"}, {"role": "assistant", "content": "gpuctl-probe-reply"}]
 
 
 class DataError(ValueError):
@@ -26,8 +41,8 @@ class DataError(ValueError):
 
 @dataclass
 class Sequence:
-    input_ids: list[int]
-    loss_mask: list[int]  # 1 on assistant tokens
+    input_ids: list[int] | np.ndarray
+    loss_mask: list[int] | np.ndarray  # 1 on the tokens that carry loss (see the module docstring)
 
 
 @dataclass
@@ -43,80 +58,146 @@ class Batch:
                      self.block_valid.to(device), self.num_tokens)
 
 
+def parse_conversation(line: str | bytes, where: str) -> list[dict]:
+    """One JSONL line's messages; a DataError naming `where` (file:line) otherwise."""
+    try:
+        messages = json.loads(line)["messages"]
+        if not isinstance(messages, list) or not all(
+                isinstance(m["role"], str) and isinstance(m["content"], str) for m in messages):
+            raise TypeError("messages must be a list of messages whose role and content are strings")
+    except (ValueError, KeyError, TypeError) as err:
+        raise DataError(f"{where}: not a {MESSAGES_SHAPE} line ({err})") from None
+    return messages
+
+
 def load_conversations(path: str) -> list[list[dict]]:
     """Read JSONL lines of {"messages": [{"role": .., "content": ..}, ..]}; one-line errors with file:line."""
     file = Path(path).expanduser()
     if not file.is_file():
         raise DataError(f"data file not found: {file}")
-    conversations = []
-    for number, line in enumerate(file.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            messages = json.loads(line)["messages"]
-            if not all(isinstance(m["role"], str) and isinstance(m["content"], str) for m in messages):
-                raise TypeError("role and content must be strings")
-        except (ValueError, KeyError, TypeError) as err:
-            raise DataError(f"{file}:{number}: not a {{\"messages\": [{{\"role\", \"content\"}}]}} line ({err})")
-        conversations.append(messages)
-    return conversations
+    return [parse_conversation(line, f"{file}:{number}")
+            for number, line in enumerate(file.read_text().splitlines(), 1) if line.strip()]
 
 
-def encode_chat(tokenizer, messages: list[dict], generation_prompt: bool = False) -> list[int]:
+def render_chat(tokenizer, messages: list[dict], generation_prompt: bool = False,
+                template_options: dict | None = None) -> str:
+    """A conversation as text, through the tokenizer's chat template and its options (e.g. enable_thinking)."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                         **(template_options or {}))
+
+
+def encode_chat(tokenizer, messages: list[dict], generation_prompt: bool = False,
+                template_options: dict | None = None) -> list[int]:
     """Token ids of a conversation rendered with the tokenizer's chat template."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    text = render_chat(tokenizer, messages, generation_prompt, template_options)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
+def _common_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix, by C-speed comparisons (the usual case: b is a prefix of a)."""
+    if a.startswith(b):
+        return len(b)
+    low, high = 0, min(len(a), len(b))  # a[:low] == b[:low] holds; a[:high] == b[:high] may not
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
-def tokenize_conversation(tokenizer, messages: list[dict]) -> Sequence:
-    """The whole conversation's ids, with loss_mask 1 on each assistant message's tokens.
+class ChatTokenizer:
+    """Conversations -> Sequences with the loss mask of the module docstring, for one tokenizer and template
+    options. Needs a fast tokenizer (the mask maps character spans of the rendering to tokens by offsets)."""
 
-    An assistant message's span is found by rendering prefixes of the conversation, which works with any
-    template: it starts where the rendering up to the previous message plus the generation prompt stops
-    matching the full rendering and ends where the rendering up to this message does. A template that renders a
-    message differently once later messages follow (Qwen3 drops old reasoning) just loses that turn's loss.
-    """
-    ids = encode_chat(tokenizer, messages)
-    loss_mask = [0] * len(ids)
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        start = _common_prefix(ids, encode_chat(tokenizer, messages[:i], generation_prompt=True))
-        end = _common_prefix(ids, encode_chat(tokenizer, messages[: i + 1]))
-        for position in range(start, end):
-            loss_mask[position] = 1
-    return Sequence(ids, loss_mask)
+    def __init__(self, tokenizer, template_options: dict | None = None):
+        if not getattr(tokenizer, "is_fast", False):
+            raise DataError(f"{type(tokenizer).__name__} is not a fast tokenizer (needed for token offsets)")
+        self.tokenizer = tokenizer
+        self.options = dict(template_options or {})
+        self.end_of_turn = self._end_of_turn_text()
+
+    def _end_of_turn_text(self) -> str | None:
+        """The text of the first token the template puts after a reply ("<|im_end|>"), or None."""
+        text = render_chat(self.tokenizer, PROBE, template_options=self.options)
+        reply = PROBE[-1]["content"]
+        if reply not in text:
+            return None
+        suffix = text[text.rindex(reply) + len(reply):]
+        offsets = self.tokenizer(suffix, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        return suffix[offsets[0][0]:offsets[0][1]] if offsets else None
+
+    def loss_spans(self, messages: list[dict], text: str) -> list[tuple[int, int]]:
+        """Character spans of `text` (the whole rendering) that carry loss: one per assistant turn."""
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompt = render_chat(self.tokenizer, messages[:i], generation_prompt=True, template_options=self.options)
+            start = _common_prefix(text, prompt)
+            found = text.find(self.end_of_turn, start) if self.end_of_turn else -1
+            if found >= 0:
+                end = found + len(self.end_of_turn)
+            else:  # no end-of-turn token: up to where the rendering that ends with this turn stops matching
+                end = _common_prefix(text, render_chat(self.tokenizer, messages[: i + 1],
+                                                       template_options=self.options))
+            if end > start:
+                spans.append((start, end))
+        return spans
+
+    def __call__(self, messages: list[dict]) -> Sequence:
+        text = render_chat(self.tokenizer, messages, template_options=self.options)
+        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        starts = np.array([start for start, _ in encoded["offset_mapping"]], dtype=np.int64)
+        mask = np.zeros(len(starts), dtype=np.uint8)
+        for start, end in self.loss_spans(messages, text):
+            mask[(starts >= start) & (starts < end)] = 1
+        return Sequence(list(encoded["input_ids"]), mask.tolist())
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], template_options: dict | None = None) -> Sequence:
+    """The whole conversation's ids, with loss_mask 1 on the tokens the module docstring names."""
+    return ChatTokenizer(tokenizer, template_options)(messages)
 
 
 def anchor_candidates(sequence: Sequence, block_size: int) -> list[int]:
-    """Positions an anchor may take: assistant tokens with a whole block inside the sequence."""
+    """Positions an anchor may take: loss tokens with a whole block inside the sequence."""
     last = len(sequence.input_ids) - block_size
-    return [p for p, on in enumerate(sequence.loss_mask) if on and p <= last]
+    return np.flatnonzero(np.asarray(sequence.loss_mask[: max(last + 1, 0)])).tolist()
 
 
-def prepare_sequences(tokenizer, conversations: list[list[dict]], max_length: int, block_size: int) -> list[Sequence]:
-    """Tokenise, truncate to max_length, drop sequences with under 2 * block_size loss tokens."""
+def usable(length: int, loss_tokens: int, first_loss: int, block_size: int) -> bool:
+    """The recipe's rule: at least 2 x block_size loss tokens, and a loss token with a whole block after it."""
+    return loss_tokens >= 2 * block_size and 0 <= first_loss <= length - block_size
+
+
+def truncate(sequence: Sequence, max_length: int) -> Sequence:
+    return Sequence(sequence.input_ids[:max_length], sequence.loss_mask[:max_length])
+
+
+def prepare_sequences(tokenizer, conversations: list[list[dict]], max_length: int, block_size: int,
+                      template_options: dict | None = None) -> list[Sequence]:
+    """Tokenise, truncate to max_length, drop sequences the recipe drops (see `usable`). Uncached: a run reads
+    its data through training/tokenized.py."""
+    chat = ChatTokenizer(tokenizer, template_options)
     sequences = []
     for messages in conversations:
-        sequence = tokenize_conversation(tokenizer, messages)
-        sequence = Sequence(sequence.input_ids[:max_length], sequence.loss_mask[:max_length])
-        if sum(sequence.loss_mask) >= 2 * block_size and anchor_candidates(sequence, block_size):
+        sequence = truncate(chat(messages), max_length)
+        mask = np.asarray(sequence.loss_mask)
+        first = int(np.argmax(mask)) if mask.any() else -1
+        if usable(len(sequence.input_ids), int(mask.sum()), first, block_size):
             sequences.append(sequence)
     return sequences
 
 
-def eval_prompts(tokenizer, conversations: list[list[dict]]) -> list[list[int]]:
+def eval_prompts(tokenizer, conversations: list[list[dict]], template_options: dict | None = None) -> list[list[int]]:
     """Each conversation up to its last assistant message, ready for the target to answer."""
     prompts = []
     for messages in conversations:
         last_reply = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages))
         if last_reply > 0:
-            prompts.append(encode_chat(tokenizer, messages[:last_reply], generation_prompt=True))
+            prompts.append(encode_chat(tokenizer, messages[:last_reply], True, template_options))
     return prompts
 
 
@@ -141,8 +222,8 @@ def collate(sequences: list[Sequence], anchors: list[list[int]], batch_size: int
     block_valid = torch.zeros((batch_size, num_anchors), dtype=torch.bool)
     for row, (sequence, row_anchors) in enumerate(zip(sequences, anchors)):
         n = len(sequence.input_ids)
-        input_ids[row, :n] = torch.tensor(sequence.input_ids)
-        loss_mask[row, :n] = torch.tensor(sequence.loss_mask, dtype=torch.bool)
+        input_ids[row, :n] = torch.as_tensor(np.asarray(sequence.input_ids, dtype=np.int64))
+        loss_mask[row, :n] = torch.as_tensor(np.asarray(sequence.loss_mask, dtype=np.bool_))
         anchor_tensor[row, : len(row_anchors)] = torch.tensor(row_anchors, dtype=torch.long)
         block_valid[row, : len(row_anchors)] = True
     return Batch(input_ids, loss_mask, anchor_tensor, block_valid, sum(len(s.input_ids) for s in sequences))

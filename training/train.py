@@ -18,6 +18,7 @@ import gc
 import itertools
 import math
 import os
+import platform
 import resource
 import shutil
 import signal
@@ -41,7 +42,7 @@ from training.checkpoint import (
 )
 from training.compile import AttentionShape, SharedFlexAttention, projected_qkv
 from training.config import ConfigError, TrainConfig, load_config, parse_devices
-from training.data import Batch, BatchStream, DataError, eval_prompts, load_conversations, prepare_sequences
+from training.data import Batch, BatchStream, DataError, eval_prompts, prepare_sequences
 from training.evaluate import acceptance_length, build_eval_set
 from training.export import export_run
 from training.flops import drafter_flops, target_flops
@@ -56,13 +57,14 @@ from training.layout import (
 )
 from training.loss import block_targets
 from training.mask import build_block_mask
-from training.metrics import MetricsLog, metrics_path, say
+from training.metrics import MetricsLog, announce_output_dir, metrics_path, say
 from training.model import Drafter, DrafterConfig
 from training.pipeline import Pipeline, PipelineConfig, PipelineError, RunResult, StepReport, Utilisation
 from training.random_world import NUM_CONVERSATIONS as NUM_RANDOM_CONVERSATIONS
 from training.random_world import random_target, synthetic_conversations
 from training.step import compute_dtype, drafter_stage
 from training.target import Target
+from training.tokenized import load_training_data
 
 
 class StopRequest:
@@ -323,18 +325,18 @@ def load_targets(config: TrainConfig, devices: list[torch.device], dtype: torch.
 
 def load_data(config: TrainConfig, tokenizer) -> tuple[BatchStream, list[list[dict]]]:
     """The training micro-batches, and the held-out conversations evaluation drafts on (eval_data_path, else
-    the tail of the training data; with random_target, synthetic conversations that fill max_length)."""
+    the tail of the training data, through the tokenized cache; with random_target, synthetic conversations
+    that fill max_length, tokenized here)."""
     if config.random_target:
         conversations = synthetic_conversations(NUM_RANDOM_CONVERSATIONS + config.eval_prompts, config.max_length,
                                                 config.seed)
+        cut = len(conversations) - config.eval_prompts
+        sequences = prepare_sequences(tokenizer, conversations[:cut], config.max_length, config.block_size,
+                                      {"enable_thinking": config.enable_thinking})
+        held_out = conversations[cut:]
     else:
-        conversations = load_conversations(config.data_path)
-    if config.eval_data_path and not config.random_target:
-        held_out = load_conversations(config.eval_data_path)[: config.eval_prompts]
-    else:
-        cut = max(len(conversations) - config.eval_prompts, 0)
-        conversations, held_out = conversations[:cut], conversations[cut:]
-    sequences = prepare_sequences(tokenizer, conversations, config.max_length, config.block_size)
+        data = load_training_data(tokenizer, config, log=say)  # tokenised once, then read from its cache
+        sequences, held_out = data.sequences, data.held_out
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     stream = BatchStream(sequences, config.micro_batch_rows(), config.buckets(), config.block_size,
                          config.num_anchors, pad_id, config.seed)
@@ -409,7 +411,7 @@ class StepLog:
         self.metrics = MetricsLog(metrics_path(config.output_dir), config.max_steps)
         self.evalset = None
         if config.eval_every and held_out:
-            prompts = eval_prompts(target.tokenizer, held_out)
+            prompts = eval_prompts(target.tokenizer, held_out, {"enable_thinking": config.enable_thinking})
             self.evalset = build_eval_set(target, prompts, config.eval_new_tokens, leader.device)
         self._records = 0
         self._open_window()
@@ -703,6 +705,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         config = load_config(args.config, args.set)
+        announce_output_dir(config.output_dir)  # for `gpuctl pull`
+        # Which interpreter and torch build run this: the log's first line answers "did it use the right one?"
+        say(f"python {sys.executable} ({platform.python_version()}), torch {torch.__version__} "
+            f"({f'CUDA {torch.version.cuda}' if torch.version.cuda else 'a CPU-only build'})")
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # progress bars would fill the run's log file with carriage returns

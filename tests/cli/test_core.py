@@ -80,7 +80,7 @@ def test_broken_config_file_is_a_usage_error(xdg):
 
 def test_scripts_quote_every_value_and_refuse_missing_ones():
     rendered = scripts.render("run.sh", stage_dir="/root/gpuctl", workdir="/w d", python="py",
-                              config="a'b", sets=["k=$(x)"], resume=False)
+                              module="training.train", config="a'b", sets=["k=$(x)"], resume=False)
     assert "cd '/w d'" in rendered
     assert "--config 'a'\"'\"'b' --set 'k=$(x)'" in rendered
     with pytest.raises(jinja2.UndefinedError):
@@ -100,7 +100,9 @@ def test_scripts_exit_with_the_one_definition_of_their_codes():
         {code.name for code in ScriptExit}
     rendered = (scripts.render("logs.sh", records_dir="/r", run_number=0, follow=False, lines=None, offset=0,
                                heartbeat_s=5)
-                + commands.plan_launch(target.Target(host="h", ct=200), commands.LaunchOptions()))
+                + commands.plan_launch(target.Target(host="h", ct=200), commands.LaunchOptions())
+                + scripts.render("pull.sh", records_dir="/r", stage_dir="/s", what="export", skip="", run_number=0,
+                                 reply_timeout=5))
     for code in ScriptExit:
         assert f"exit {int(code)}" in rendered, code
 

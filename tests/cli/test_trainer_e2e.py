@@ -10,7 +10,7 @@ from tenacity import retry, stop_after_delay, wait_fixed
 pytestmark = [pytest.mark.sshd, pytest.mark.e2e]
 
 
-def test_tiny_preset_end_to_end(gpuctl):
+def test_tiny_preset_end_to_end(gpuctl, tmp_path):
     result = gpuctl("launch", "--config", "tiny", "--follow", timeout=600)
     assert result.code == 0, result.stderr[-3000:]
     assert "started tl1" in result.stderr and "tl1 ended: succeeded, exit 0" in result.stderr
@@ -21,6 +21,10 @@ def test_tiny_preset_end_to_end(gpuctl):
     assert (doc["progress"]["step"], doc["progress"]["total_steps"]) == (60, 60)
     assert doc["progress"]["loss"] > 0
     assert gpuctl.path("/workspace/runs/tiny").is_dir()  # the trainer ran in --workdir
+    pulled = gpuctl("pull", str(tmp_path / "drafter"), "--json")  # the export the run wrote at its end
+    assert pulled.code == 0, pulled.stderr
+    assert (pulled.json()["source"], pulled.json()["export_made_from"]) == ("/workspace/runs/tiny/export", None)
+    assert sorted(p.name for p in (tmp_path / "drafter").iterdir()) == ["config.json", "model.safetensors"]
 
 
 def test_kill_lets_the_trainer_checkpoint_and_exit(gpuctl):
@@ -69,3 +73,32 @@ def test_launch_resume_continues_from_the_checkpoint(gpuctl, tmp_path):
     image = tmp_path / "resumed.png"
     plotted = gpuctl("plot", "-o", str(image))
     assert plotted.code == 0 and "12 points of tl2" in plotted.stderr  # the whole chain: tl1's steps, tl2's
+
+
+def test_pull_exports_a_killed_run_on_demand(gpuctl, tmp_path):
+    """The tiny preset killed after a checkpoint has no export of its own: `gpuctl pull` makes one in the container
+    (the run's interpreter, the staged training.export) and brings config.json and model.safetensors. Enabled
+    once training/export.py exists (issue 11's trainer half)."""
+    pytest.importorskip("training.export")
+    launched = gpuctl("launch", "--config", "tiny", "--set", "max_steps=100000", "--set", "eval_every=0",
+                      "--set", "log_every=2", "--json")
+    assert launched.code == 0, launched.stderr
+
+    @retry(stop=stop_after_delay(120), wait=wait_fixed(0.5), reraise=True)
+    def training() -> None:
+        progress = gpuctl.status()["progress"]
+        assert progress and progress["step"] >= 4
+
+    training()
+    assert gpuctl("kill", "--grace", "60").code == 0
+    assert not gpuctl.path("/workspace/runs/tiny/export").exists()
+
+    dest = tmp_path / "drafter"
+    pulled = gpuctl("pull", str(dest), "--json", timeout=600)
+    assert pulled.code == 0, pulled.stderr[-3000:]
+    doc = pulled.json()
+    assert doc["export_made_from"].startswith("/workspace/runs/tiny/checkpoints/step_")
+    assert sorted(p.name for p in dest.iterdir()) == ["config.json", "model.safetensors"]
+    assert json.loads((dest / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+    made = gpuctl.path(doc["source"])
+    assert (dest / "model.safetensors").read_bytes() == (made / "model.safetensors").read_bytes()

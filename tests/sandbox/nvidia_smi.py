@@ -1,7 +1,8 @@
 """Stand-in `nvidia-smi` for a stand-in container: its GPUs are read from gpus.json beside this file.
 
 gpus.json is a list of {"name", "utilization", "memory_used_mib", "memory_total_mib"}; tests set it through
-StandInHost.set_gpus. Supports `--query-gpu=FIELDS --format=csv[,noheader][,nounits]`, `-L` and the bare table.
+StandInHost.set_gpus. Supports `--query-gpu=FIELDS --format=csv[,noheader][,nounits]`, `-L` and the bare table,
+whose header names the driver's version and the newest CUDA version it supports, as the real one's does.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import json
 import sys
 from pathlib import Path
 
+DRIVER_VERSION = "570.133.20"
+CUDA_VERSION = "12.8"
 FIELDS = {
     "index": lambda i, g: str(i),
     "name": lambda i, g: g["name"],
@@ -17,9 +20,11 @@ FIELDS = {
     "memory.used": lambda i, g: f"{g['memory_used_mib']} MiB",
     "memory.total": lambda i, g: f"{g['memory_total_mib']} MiB",
     "uuid": lambda i, g: f"GPU-00000000-0000-0000-0000-{i:012d}",
+    "driver_version": lambda i, g: DRIVER_VERSION,
 }
 HEADERS = {"index": "index", "name": "name", "utilization.gpu": "utilization.gpu [%]",
-           "memory.used": "memory.used [MiB]", "memory.total": "memory.total [MiB]", "uuid": "uuid"}
+           "memory.used": "memory.used [MiB]", "memory.total": "memory.total [MiB]", "uuid": "uuid",
+           "driver_version": "driver_version"}
 
 
 def load_gpus() -> list[dict]:
@@ -57,6 +62,8 @@ def main(argv: list[str]) -> int:
             print(f"GPU {i}: {gpu['name']} (UUID: {FIELDS['uuid'](i, gpu)})")
         return 0
     print("+-----------------------------------------------------------------------------+")
+    print(f"| NVIDIA-SMI {DRIVER_VERSION:<15} Driver Version: {DRIVER_VERSION:<13} CUDA Version: {CUDA_VERSION:<7}|")
+    print("|-------------------------------+-----------------------+---------------------+")
     print("| GPU  Name                    | Memory-Usage          | GPU-Util            |")
     for i, gpu in enumerate(gpus):
         mem = f"{gpu['memory_used_mib']}MiB / {gpu['memory_total_mib']}MiB"

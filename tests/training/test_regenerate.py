@@ -1,0 +1,213 @@
+"""python -m training.regenerate on the tiny target: greedy replies are the target's own, multi-turn replies see
+the target's earlier ones, every id is written exactly once across kills and restarts, bad input exits 2."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from training.config import load_config
+from training.data import encode_chat
+from training.regenerate import RegenerateConfig, content_id, main, recover_output, regenerate
+from training.tiny import synthetic_words
+
+REPO = Path(__file__).resolve().parents[2]
+WORDS = synthetic_words(300)
+
+
+def words(rng: random.Random, count: int) -> str:
+    return "".join(" " + rng.choice(WORDS) for _ in range(count))
+
+
+def write_prompts(path: Path, count: int, seed: int = 0) -> list[dict]:
+    """Records of one to three turns: some end with a user message, some hold old assistant replies, some have
+    their own ids."""
+    rng = random.Random(seed)
+    records = []
+    for i in range(count):
+        messages = [{"role": "system", "content": words(rng, 3)}] if i % 4 == 0 else []
+        for turn in range(1 + i % 3):
+            messages.append({"role": "user", "content": words(rng, rng.randint(2, 6))})
+            if turn < i % 3 or i % 2:
+                messages.append({"role": "assistant", "content": words(rng, 5)})  # replaced by the target's
+        records.append({"messages": messages, **({"id": f"rec-{i}"} if i % 3 == 0 else {})})
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return records
+
+
+def config_for(world, prompts: Path, output: Path, *overrides: str) -> RegenerateConfig:
+    sets = [f"target_path={world.target}", f"prompts_path={prompts}", f"output_path={output}", "build_tiny=false",
+            "num_threads=1", *overrides]
+    return load_config("tiny-regenerate", sets, kind=RegenerateConfig)
+
+
+def read_output(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@torch.no_grad()
+def greedy_reply(model, tokenizer, messages: list[dict], max_new_tokens: int) -> str:
+    """The target's greedy reply, one argmax at a time, unbatched and unpadded."""
+    ids = encode_chat(tokenizer, messages, generation_prompt=True, template_options={"enable_thinking": False})
+    reply = []
+    for _ in range(max_new_tokens):
+        token = int(model(torch.tensor([ids + reply])).logits[0, -1].argmax())
+        if token == tokenizer.eos_token_id:
+            break
+        reply.append(token)
+    return tokenizer.decode(reply)
+
+
+def test_greedy_replies_are_the_targets_own_turn_by_turn(tiny_world, tmp_path, monkeypatch):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 9)
+    output = tmp_path / "out" / "regenerated.jsonl"
+    monkeypatch.setenv("GPUCTL_METRICS", str(tmp_path / "metrics.jsonl"))
+    config = config_for(tiny_world, tmp_path / "prompts.jsonl", output, "batch_size=4", "max_new_tokens=10")
+    assert regenerate(config) == 0
+
+    records = read_output(output)
+    ids = [r.get("id") or content_id(r["messages"]) for r in prompts]
+    assert sorted(r["id"] for r in records) == sorted(ids)  # each id exactly once
+    model = AutoModelForCausalLM.from_pretrained(tiny_world.target).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_world.target)
+    by_id = {r["id"]: r for r in records}
+    for prompt, record_id in zip(prompts, ids):
+        want = []  # the conversation with the reference's own greedy replies in place of the old ones
+        for message in prompt["messages"]:
+            if message["role"] == "assistant":
+                message = {"role": "assistant", "content": greedy_reply(model, tokenizer, want, 10)}
+            want.append(message)
+        if want[-1]["role"] != "assistant":
+            want.append({"role": "assistant", "content": greedy_reply(model, tokenizer, want, 10)})
+        assert by_id[record_id]["messages"] == want
+    metrics = read_output(tmp_path / "metrics.jsonl")
+    assert metrics[-1]["step"] == metrics[-1]["total_steps"] == 9 and metrics[0]["step"] == 0
+    assert all(r["tokens_per_s"] > 0 and "eta_s" in r for r in metrics[1:])
+
+    assert regenerate(config) == 0  # a rerun of a finished output adds nothing
+    assert len(read_output(output)) == 9
+
+
+def test_sampling_is_seeded(tiny_world, tmp_path):
+    write_prompts(tmp_path / "prompts.jsonl", 6)
+    outputs = {}
+    for name, seed in (("a", 1), ("b", 1), ("c", 2)):
+        config = config_for(tiny_world, tmp_path / "prompts.jsonl", tmp_path / f"{name}.jsonl", "temperature=1.5",
+                            "top_p=0.95", f"seed={seed}", "max_new_tokens=8", "batch_size=3")
+        assert regenerate(config) == 0
+        outputs[name] = {r["id"]: r["messages"] for r in read_output(tmp_path / f"{name}.jsonl")}
+    assert outputs["a"] == outputs["b"] and outputs["a"] != outputs["c"]
+
+
+def test_a_torn_last_line_is_cut_and_complete_records_count(tmp_path):
+    output = tmp_path / "out.jsonl"
+    output.write_text('{"id": "a", "messages": []}\n{"id": 7, "messages": []}\n{"id": "b", "mess')
+    assert recover_output(output) == {'"a"', "7"}
+    assert output.read_text() == '{"id": "a", "messages": []}\n{"id": 7, "messages": []}\n'
+
+
+def regenerate_command(world, prompts: Path, output: Path, *overrides: str) -> list[str]:
+    sets = [f"target_path={world.target}", f"prompts_path={prompts}", f"output_path={output}", "build_tiny=false",
+            "num_threads=1", "batch_size=1", "max_new_tokens=32", *overrides]
+    return [sys.executable, "-m", "training.regenerate", "--config", "tiny-regenerate"] + [
+        a for s in sets for a in ("--set", s)]
+
+
+def lines_in(path: Path) -> int:
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+def start_and_wait(command: list[str], output: Path, lines: int, timeout: float = 240) -> subprocess.Popen:
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + timeout
+    while lines_in(output) < lines:
+        assert process.poll() is None, process.stdout.read()
+        assert time.monotonic() < deadline, "no progress"
+        time.sleep(0.02)
+    return process
+
+
+@pytest.mark.e2e
+def test_killed_and_stopped_runs_resume_with_each_id_exactly_once(tiny_world, tmp_path):
+    count = 40
+    prompts = write_prompts(tmp_path / "prompts.jsonl", count)
+    output = tmp_path / "regenerated.jsonl"
+    command = regenerate_command(tiny_world, tmp_path / "prompts.jsonl", output)
+
+    killed = start_and_wait(command, output, 3)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait(timeout=60)
+    with open(output, "ab") as file:  # what a kill in the middle of a write leaves
+        file.write(b'{"id": "rec-0", "messages": [{"role": "us')
+    after_kill = lines_in(output)
+    assert 3 <= after_kill < count
+
+    stopped = start_and_wait(command, output, after_kill + 3)
+    stopped.send_signal(signal.SIGTERM)
+    log = stopped.communicate(timeout=120)[0]
+    assert stopped.returncode == 0, log
+    assert "torn last line" in log and "stopped:" in log
+    assert lines_in(output) < count and output.read_bytes().endswith(b"\n")
+
+    finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    records = read_output(output)
+    ids = [r.get("id") or content_id(r["messages"]) for r in prompts]
+    assert sorted(r["id"] for r in records) == sorted(ids)  # every id, each exactly once
+
+    straight = tmp_path / "straight.jsonl"
+    config = config_for(tiny_world, tmp_path / "prompts.jsonl", straight, "batch_size=1", "max_new_tokens=32")
+    assert regenerate(config) == 0
+    assert {r["id"]: r for r in records} == {r["id"]: r for r in read_output(straight)}
+
+
+def run_main(args: list[str], capsys) -> tuple[int, str]:
+    code = main(args)
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("lines,message", [
+    (['{"messages": [{"role": "user", "content": "hi"}]}', "nope"], "prompts.jsonl:2: not a"),
+    (['{"id": 1, "messages": [{"role": "user", "content": "a"}]}',
+      '{"id": 1, "messages": [{"role": "user", "content": "b"}]}'], "prompts.jsonl:2: id 1 is also line 1's"),
+    (['{"id": true, "messages": [{"role": "user", "content": "a"}]}'], "id must be a string or an integer"),
+    (['{"messages": [{"role": "assistant", "content": "a"}]}'], "nothing before the first reply"),
+])
+def test_bad_prompts_are_one_line_errors(tiny_world, tmp_path, capsys, lines, message):
+    (tmp_path / "prompts.jsonl").write_text("\n".join(lines) + "\n")
+    sets = [f"target_path={tiny_world.target}", f"prompts_path={tmp_path / 'prompts.jsonl'}",
+            f"output_path={tmp_path / 'out.jsonl'}", "build_tiny=false"]
+    code, err = run_main(["--config", "tiny-regenerate"] + [a for s in sets for a in ("--set", s)], capsys)
+    assert code == 2 and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["nope=1"], "unknown config key 'nope'"),
+    (["top_p=0"], "top_p must be in (0, 1]"),
+    (["temperature=-1"], "temperature must be >= 0"),
+    (["batch_size=0"], "batch_size must be > 0"),
+    (["target_devices=[-1]"], "neither a GPU index"),
+    (["output_path=~/.cache/gpuctl/tiny-v2/train.jsonl"], "output_path must not be prompts_path"),
+])
+def test_bad_configs_are_one_line_errors(capsys, overrides, message):
+    code, err = run_main(["--config", "tiny-regenerate"] + [a for s in overrides for a in ("--set", s)], capsys)
+    assert code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_an_output_line_that_is_not_a_record_is_an_error_not_a_silent_skip(tiny_world, tmp_path, capsys):
+    write_prompts(tmp_path / "prompts.jsonl", 2)
+    (tmp_path / "out.jsonl").write_text('{"id": "x", "messages": []}\ngarbage\n')
+    sets = [f"target_path={tiny_world.target}", f"prompts_path={tmp_path / 'prompts.jsonl'}",
+            f"output_path={tmp_path / 'out.jsonl'}", "build_tiny=false"]
+    code, err = run_main(["--config", "tiny-regenerate"] + [a for s in sets for a in ("--set", s)], capsys)
+    assert code == 2 and "out.jsonl:2: not a complete record" in err

@@ -1,0 +1,441 @@
+"""Regenerate chat data with the target itself: the drafter learns the target's own outputs (the DFlash recipe).
+
+    python -m training.regenerate --config PRESET|PATH [--set KEY=VALUE]...
+
+Input: JSONL of {"messages": [...], "id": ...}; a record without an id gets a stable one from its messages
+("sha256:" and 16 hex digits). The target answers in place of every assistant message, in order, with its own
+earlier replies as context, and after the last message when that is not an assistant one; the other messages
+stay. Prompts go through the target's chat template with `enable_thinking`; decoding is greedy (temperature 0)
+or sampled (temperature, top_p; each batch seeded from `seed` and its first id).
+
+Output: JSONL of {"id", "messages"} (and "truncated": true when a reply stopped at max_new_tokens), the training
+data's format. One writer appends each record as one whole line, flushed and fsynced: a record is done when its
+line is. A restart truncates a torn last line, skips every id the output already holds and never writes one
+twice, so a killed run loses at most the batches in flight.
+
+One thread per `target_devices` entry (the CPU counts once), each with its own replica of the target, takes
+batches of `batch_size` records and generates them turn by turn (left-padded, transformers' generate).
+Progress: a JSON line per batch in $GPUCTL_METRICS, else beside the output (<output>.metrics.jsonl), with
+training/metrics.py's keys: `step` (records done), `total_steps` (records), `tokens_per_s` (generated), `eta_s`.
+SIGTERM (and Ctrl-C) finish the batches in flight, write their records and exit 0 (130 for Ctrl-C); a second
+one ends at once. A bad configuration or input line prints one line and exits 2; a failing thread exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from training.config import DTYPES, ConfigError, load_config, parse_devices
+from training.data import DataError, encode_chat, parse_conversation
+from training.metrics import MetricsLog, say
+
+
+@dataclass
+class RegenerateConfig:
+    target_path: str = ""  # a Hugging Face model directory (weights + tokenizer with a chat template)
+    prompts_path: str = ""  # JSONL of {"messages": [...], "id": ...}; assistant messages are regenerated
+    output_path: str = ""  # JSONL written here (appended to: a restart resumes)
+    build_tiny: bool = False  # build the tiny random target and its data (prompts_path) if missing
+    target_devices: list[int | str] | str = "cpu"  # a thread per GPU index; "cpu" = one CPU thread
+    dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on the CPU
+    num_threads: int = 0  # torch CPU threads; 0 = torch's default
+    max_new_tokens: int = 2048  # per reply
+    batch_size: int = 16  # records per generate call (per turn)
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus sampling when temperature > 0 (top-k is off)
+    enable_thinking: bool = False  # passed to the chat template (Qwen3's thinking switch)
+    seed: int = 0
+
+    def validate(self) -> RegenerateConfig:
+        for name in ("max_new_tokens", "batch_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("num_threads", "seed"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.temperature >= 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        parse_devices(self.target_devices, "target_devices")
+        for name in ("target_path", "prompts_path", "output_path"):
+            if not getattr(self, name):
+                raise ConfigError(f"{name} is not set (use --set {name}=...)")
+        if Path(self.output_path).expanduser().resolve() == Path(self.prompts_path).expanduser().resolve():
+            raise ConfigError("output_path must not be prompts_path (the output is appended to)")
+        return self
+
+    def template_options(self) -> dict:
+        return {"enable_thinking": self.enable_thinking}
+
+
+# Records in, records out.
+
+
+@dataclass
+class PromptRecord:
+    id: str | int
+    messages: list[dict]
+    line: int
+
+
+def content_id(messages: list[dict]) -> str:
+    """A stable id for a record that has none: the hash of its messages."""
+    canonical = json.dumps(messages, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def id_key(record_id: str | int) -> str:
+    return json.dumps(record_id)
+
+
+def reply_positions(messages: list[dict]) -> list[int]:
+    """Where the target answers: every assistant message, and the end when the last message is not one."""
+    positions = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not messages or messages[-1]["role"] != "assistant":
+        positions.append(len(messages))
+    return positions
+
+
+def load_prompts(path: str) -> tuple[list[PromptRecord], int]:
+    """The prompt records, and how many exact duplicates (same id, same messages) were left out."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise DataError(f"prompts file not found: {file}")
+    records: list[PromptRecord] = []
+    seen: dict[str, PromptRecord] = {}
+    duplicates = 0
+    with open(file, "rb") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            where = f"{file}:{number}"
+            messages = parse_conversation(line, where)
+            record_id = json.loads(line).get("id")
+            if record_id is None:
+                record_id = content_id(messages)
+            elif isinstance(record_id, bool) or not isinstance(record_id, (str, int)):
+                raise DataError(f"{where}: id must be a string or an integer, got {record_id!r}")
+            if reply_positions(messages)[0] == 0:
+                raise DataError(f"{where}: nothing before the first reply to answer")
+            earlier = seen.get(id_key(record_id))
+            if earlier is not None:
+                if earlier.messages != messages:
+                    raise DataError(f"{where}: id {record_id!r} is also line {earlier.line}'s, with other messages")
+                duplicates += 1
+                continue
+            record = PromptRecord(record_id, messages, number)
+            seen[id_key(record_id)] = record
+            records.append(record)
+    return records, duplicates
+
+
+def recover_output(path: Path) -> set[str]:
+    """The ids (id_key) of the complete records in the output; a torn last line is cut off first."""
+    if not path.exists():
+        return set()
+    with open(path, "r+b") as file:
+        data = file.read()
+        end = data.rfind(b"\n") + 1
+        if end < len(data):
+            file.truncate(end)
+            file.flush()
+            os.fsync(file.fileno())
+            say(f"{path}: cut a torn last line ({len(data) - end} bytes) left by an interrupted run")
+    done = set()
+    for number, line in enumerate(data[:end].splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            done.add(id_key(json.loads(line)["id"]))
+        except (ValueError, KeyError, TypeError):
+            raise DataError(f"{path}:{number}: not a complete record; fix or move the file") from None
+    return done
+
+
+class RecordWriter:
+    """The one writer of the output: whole lines, each flushed and fsynced, every id at most once."""
+
+    def __init__(self, path: Path, done: set[str]):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "ab")  # noqa: SIM115 - open for the writer's whole life, closed in close()
+        self._lock = threading.Lock()
+        self.done = done
+
+    def write(self, record: dict) -> bool:
+        key = id_key(record["id"])
+        line = (json.dumps(record, ensure_ascii=False) + "\n").encode()
+        with self._lock:
+            if key in self.done:
+                return False
+            self._file.write(line)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self.done.add(key)
+        return True
+
+    def close(self) -> None:
+        self._file.close()
+
+
+# Generation.
+
+
+class ReplicaGenerator:
+    """One device's target replica and tokenizer: a batch of records -> regenerated records."""
+
+    def __init__(self, model, tokenizer, config: RegenerateConfig):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.device = model.get_input_embeddings().weight.device
+        eos = model.generation_config.eos_token_id
+        eos = eos if isinstance(eos, list) else [eos]
+        self.eos_ids = sorted({*eos, tokenizer.eos_token_id} - {None})
+        if not self.eos_ids:
+            raise ConfigError(f"{config.target_path}: neither the tokenizer nor the generation config has an EOS")
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+
+    def sampling(self) -> dict:
+        if self.config.temperature > 0:  # top_k 0: the model's own generation defaults must not narrow it
+            return {"do_sample": True, "temperature": self.config.temperature, "top_p": self.config.top_p,
+                    "top_k": 0}
+        return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+
+    def seed(self, records: list[PromptRecord]) -> None:
+        value = int(hashlib.sha256(f"{self.config.seed}/{id_key(records[0].id)}".encode()).hexdigest()[:15], 16)
+        if self.device.type == "cuda":
+            with torch.cuda.device(self.device):
+                torch.cuda.manual_seed(value)
+        else:
+            torch.default_generator.manual_seed(value)
+
+    @torch.no_grad()
+    def replies(self, contexts: list[list[dict]]) -> list[tuple[str, int, bool]]:
+        """(reply text, tokens generated, cut at max_new_tokens) for each conversation so far."""
+        prompts = [encode_chat(self.tokenizer, c, True, self.config.template_options()) for c in contexts]
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):  # left padding: every row ends where generation starts
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                  max_new_tokens=self.config.max_new_tokens, pad_token_id=self.pad_id,
+                                  eos_token_id=self.eos_ids, **self.sampling())
+        results = []
+        for row in out[:, width:].tolist():
+            end = next((i for i, token in enumerate(row) if token in self.eos_ids), None)
+            reply = row if end is None else row[:end]
+            results.append((self.tokenizer.decode(reply), len(reply) + (end is not None), end is None))
+        return results
+
+    def regenerate(self, records: list[PromptRecord]) -> tuple[list[dict], int]:
+        """The records with every reply the target's own, and the number of tokens generated."""
+        self.seed(records)
+        conversations = [copy.deepcopy(r.messages) for r in records]
+        positions = [reply_positions(r.messages) for r in records]
+        truncated = [False] * len(records)
+        tokens = 0
+        for turn in range(max(len(p) for p in positions)):
+            rows = [i for i, p in enumerate(positions) if turn < len(p)]
+            replies = self.replies([conversations[i][: positions[i][turn]] for i in rows])
+            for i, (text, count, cut) in zip(rows, replies):
+                at = positions[i][turn]
+                conversations[i][at:at + 1] = [{"role": "assistant", "content": text}]
+                truncated[i] |= cut
+                tokens += count
+        outputs = []
+        for record, messages, cut in zip(records, conversations, truncated):
+            outputs.append({"id": record.id, "messages": messages, **({"truncated": True} if cut else {})})
+        return outputs, tokens
+
+
+class Progress:
+    """Records done, generated tokens per second and the ETA, as metrics lines (thread-safe)."""
+
+    def __init__(self, metrics: MetricsLog, total: int, done: int):
+        self.metrics, self.total, self.done = metrics, total, done
+        self.done_at_start, self.tokens, self.start = done, 0, time.time()
+        self._lock = threading.Lock()
+        metrics.write(done, records_left=total - done)
+
+    def add(self, records: int, tokens: int) -> None:
+        with self._lock:
+            self.done += records
+            self.tokens += tokens
+            elapsed = max(time.time() - self.start, 1e-9)
+            rate = (self.done - self.done_at_start) / elapsed
+            eta = (self.total - self.done) / rate if rate > 0 else None
+            self.metrics.write(self.done, tokens_per_s=round(self.tokens / elapsed, 1),
+                               records_per_s=round(rate, 3), eta_s=None if eta is None else round(eta, 1))
+
+
+class StopFlag:
+    """While active, SIGTERM/SIGINT ask the threads to stop after their batch; a second signal acts at once."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signal: int | None = None
+        self._previous: dict = {}
+
+    def __enter__(self):
+        self._previous = {signum: signal.signal(signum, self._handle) for signum in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum, frame) -> None:
+        self.signal = signum
+        signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
+        say(f"received {signal.Signals(signum).name}: stopping once the batches in flight are written")
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
+
+    def exit_code(self) -> int:
+        return 130 if self.signal == signal.SIGINT else 0
+
+
+class ThreadFailure(RuntimeError):
+    def __init__(self, device: str, traceback_text: str):
+        super().__init__(f"the generation thread on {device} failed")
+        self.traceback_text = traceback_text
+
+
+def pick_devices(config: RegenerateConfig) -> list[torch.device]:
+    devices = [torch.device(d) for d in dict.fromkeys(parse_devices(config.target_devices, "target_devices"))]
+    for device in devices:
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"{device} requested but CUDA is not available")
+        if device.type == "cuda" and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"{device} requested but only {torch.cuda.device_count()} GPU(s) are visible")
+    return devices
+
+
+def metrics_file(output: Path) -> Path:
+    return Path(os.environ.get("GPUCTL_METRICS") or output.with_suffix(".metrics.jsonl"))
+
+
+def regenerate(config: RegenerateConfig, stop: StopFlag | None = None) -> int:
+    devices = pick_devices(config)
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    if config.build_tiny:
+        from training.tiny import ensure_tiny
+
+        ensure_tiny(config.target_path, config.prompts_path, "", config.seed)
+    target_dir = Path(config.target_path).expanduser()
+    if not (target_dir / "config.json").is_file():
+        raise ConfigError(f"target_path {config.target_path} is not a model directory (no config.json)")
+    stop = stop or StopFlag()  # never entered: no signal handling when called as a library
+
+    records, duplicates = load_prompts(config.prompts_path)
+    output = Path(config.output_path).expanduser()
+    done = recover_output(output)
+    pending = [r for r in records if id_key(r.id) not in done]
+    total, already = len(records), len(records) - len(pending)
+    say(f"{total} records in {config.prompts_path}" + (f" ({duplicates} exact duplicates left out)" if duplicates
+                                                        else "") + f"; {already} already in {output}")
+    if not pending:
+        say(f"done: all {total} records are in {output}")
+        return 0
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from training.step import compute_dtype
+
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    generators = []
+    for device in devices:  # one at a time: loading several large checkpoints at once needs their sum in memory
+        model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=compute_dtype(config.dtype, device),
+                                                     attn_implementation="sdpa")
+        generators.append(ReplicaGenerator(model.to(device).eval(), copy.deepcopy(tokenizer), config))
+    say(f"target {config.target_path} on {', '.join(map(str, devices))}; {len(pending)} records to generate in "
+        f"batches of {config.batch_size}, {'sampled' if config.temperature > 0 else 'greedy'}, "
+        f"thinking {'on' if config.enable_thinking else 'off'}")
+
+    batches: queue.Queue = queue.Queue()
+    for start in range(0, len(pending), config.batch_size):
+        batches.put(pending[start:start + config.batch_size])
+    writer = RecordWriter(output, done)
+    progress = Progress(MetricsLog(metrics_file(output), total), total, already)
+    failures: list[ThreadFailure] = []
+
+    def work(generator: ReplicaGenerator) -> None:
+        try:
+            while not stop.requested and not failures:
+                try:
+                    batch = batches.get_nowait()
+                except queue.Empty:
+                    return
+                outputs, tokens = generator.regenerate(batch)
+                written = sum(writer.write(record) for record in outputs)
+                progress.add(written, tokens)
+        except BaseException:  # noqa: BLE001 - reported by the main thread, which exits 1
+            failures.append(ThreadFailure(str(generator.device), traceback.format_exc()))
+
+    threads = [threading.Thread(target=work, args=(g,), name=f"generate-{g.device}", daemon=True)
+               for g in generators]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        while thread.is_alive():  # a timed join lets the main thread take signals
+            thread.join(timeout=0.2)
+    writer.close()
+    if failures:
+        raise failures[0]
+    if stop.requested:
+        say(f"stopped: {progress.done} of {total} records in {output}; run again to continue")
+        return stop.exit_code()
+    say(f"done: all {total} records are in {output}")
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2, like every other bad-input path
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _Parser(prog="python -m training.regenerate", description="Regenerate chat data with the target.")
+    parser.add_argument("--config", required=True, help="preset name (training/presets/) or TOML path")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config, args.set, kind=RegenerateConfig)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # progress bars would fill the log file with carriage returns
+        with StopFlag() as stop:
+            return regenerate(config, stop)
+    except (ConfigError, DataError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except ThreadFailure as err:
+        print(err.traceback_text, end="", file=sys.stderr)
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
