@@ -2,10 +2,11 @@
 bench/drafter_bench.py can time old and new side by side in one run, and tests can check they compute the
 same function. Not used by the trainer.
 
-Four parts, each revertible on its own (`use_old`): "norm" (RMSNorm as separate float32 ops), "qkv" (q, k
+Five parts, each revertible on its own (`use_old`): "norm" (RMSNorm as separate float32 ops), "qkv" (q, k
 and v of the block tokens and k, v of the context as separate matmuls), "rope" (the rotation's halves as two
 slices), "loss" (logits rounded to bf16, then logsumexp, argmax and the softmax gradient as separate float32
-passes).
+passes), and "mask" (the block mask through create_block_mask, every query-key pair evaluated: the code before
+issue 12's tile construction; the benchmark builds the mask, so `use_old` only checks the name).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from training.attention import AttentionMask, attend
 from training.loss import dflash_loss
 from training.model import Drafter, DraftLayer, RMSNorm
 
-PARTS = ("norm", "qkv", "rope", "loss")
+PARTS = ("norm", "qkv", "rope", "loss", "mask")
 
 
 class OldRMSNorm(RMSNorm):

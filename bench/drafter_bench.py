@@ -3,7 +3,7 @@ card's bf16 matrix rate measured in the same run, peak memory; the target's forw
 separately. The code before the speed changes (bench/drafter_baseline.py) runs beside the product's, on the
 same weights and batch, so one call measures before and after.
 
-    python bench/drafter_bench.py [--device 0] [--variants new,old,old-loss,old-norm,old-qkv,old-rope]
+    python bench/drafter_bench.py [--device 0] [--variants new,old,old-loss,old-norm,old-qkv,old-rope,old-mask]
         [--chunk-sizes 2048,8192] [--repeats 10] [--profile] [--skip-target] [--json out.json]
     python bench/drafter_bench.py --small --device cpu   # toy dims on the CPU: a dry run of every code path
 
@@ -11,10 +11,13 @@ Shapes (default): Qwen3-8B dims, random weights built on the device (no download
 random [151936, 4096] bf16 embedding and LM head, random [1, 3072, 5 x 4096] bf16 target features, 512
 anchors x 16 = 8192 block tokens, bf16 autocast over float32 master weights, compiled flex attention, fused
 AdamW. Variants: "new" is the product; "old" is all of the old code; "old-<part>" reverts one part (norm, qkv,
-rope, loss) so each change's share is measured. Extra chunk sizes add "new chunk=N" rows.
+rope, loss, mask) so each change's share is measured. Extra chunk sizes add "new chunk=N" rows.
 
-Times are medians over --repeats steps after --warmup steps, measured with CUDA events (no host clock).
-FLOPs count matrix products only, backward = 2 x forward (input and weight gradients; no recomputation).
+Times are medians over --repeats steps after --warmup steps, measured with CUDA events (no host clock). The
+block mask is built inside the timed step, as the trainer's drafter stage builds it: "fwd+bwd" is mask +
+forward + backward (the "mask" column shows its share). FLOPs count matrix products only, backward = 2 x
+forward (input and weight gradients; no recomputation), with training/flops.py's functions. The target's
+forward is timed twice: as the trainer runs it (up to its last feature layer) and with every layer ("before").
 """
 
 from __future__ import annotations
@@ -39,15 +42,20 @@ sys.path.insert(0, str(BENCH))
 from drafter_baseline import PARTS, use_old
 from gpu_smoke import QWEN3_8B, SMALL, random_batch
 
-from training.attention import build_mask, compile_flex_attention
+from training.attention import AttentionMask, build_mask, compile_flex_attention
+from training.flops import drafter_flops, target_flops
 from training.loss import MATMUL_WRITES_FLOAT32, block_targets
+from training.mask import create_block_mask_reference
 from training.model import Drafter, DrafterConfig
 from training.step import autocast
 from training.target import default_feature_layers
 
+__all__ = ["DrafterConfig", "drafter_flops", "target_flops"]  # the tests read them here
+
 GAMMA, LR, NUM_FEATURES, BLOCK = 7.0, 6e-4, 5, 16
 VARIANTS = {"new": (), "old": PARTS, **{f"old-{part}": (part,) for part in PARTS}}
-OPTIMIZER_RANGE, LOSS_RANGE = "optimizer: clip + AdamW", "dflash loss"
+OPTIMIZER_RANGE, LOSS_RANGE, FORWARD_RANGE = "optimizer: clip + AdamW", "dflash loss", "drafter forward"
+RANGES = (OPTIMIZER_RANGE, LOSS_RANGE, FORWARD_RANGE)  # record_function names: ranges, not kernels
 
 
 class _Parser(argparse.ArgumentParser):
@@ -106,33 +114,6 @@ def copy_gbps(device: torch.device, nbytes: int, clock: Clock, repeats: int) -> 
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src), clock, warmup=3, repeats=repeats)
     return 2 * nbytes / (ms * 1e-3) / 1e9
-
-
-def drafter_flops(c: DrafterConfig, rows: int, context_len: int, anchors: torch.Tensor, block_valid: torch.Tensor,
-                  loss_positions: int) -> dict[str, float]:
-    """Matrix-product FLOPs of one drafter step, per component (backward = 2 x forward)."""
-    d, q_size, kv_size = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    block_tokens = rows * anchors.shape[1] * c.block_size
-    per_block_token = 2 * (d * (q_size + 2 * kv_size) + q_size * d + 3 * d * c.intermediate_size)
-    # A block token sees the context before its anchor (`anchor` keys) and its own block; padding sees nothing.
-    pairs = int(((anchors + c.block_size) * c.block_size * block_valid).sum())
-    return {
-        "drafter layers, block tokens": 3 * c.num_layers * per_block_token * block_tokens,
-        "context k/v projections": 3 * c.num_layers * 2 * d * 2 * kv_size * rows * context_len,
-        "fusion layer (fwd + weight grad)": 2 * 2 * c.num_features * d * d * rows * context_len,
-        "LM head (fwd + input grad)": 2 * 2 * d * c.vocab_size * loss_positions,
-        "attention, allowed pairs": 3 * c.num_layers * 4 * c.num_heads * c.head_dim * pairs,
-    }
-
-
-def target_flops(config, rows: int, length: int) -> float:
-    """Forward FLOPs of the target's decoder (every layer runs; no LM head): projections, MLP, causal attention."""
-    d, heads = config.hidden_size, config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or d // heads
-    q_size, kv_size = heads * head_dim, config.num_key_value_heads * head_dim
-    per_token = 2 * (d * (q_size + 2 * kv_size) + q_size * d + 3 * d * config.intermediate_size)
-    causal_pairs = length * (length + 1) // 2
-    return config.num_hidden_layers * rows * (per_token * length + 4 * heads * head_dim * causal_pairs)
 
 
 @dataclass
@@ -199,20 +180,24 @@ class Bench:
         labels, weights = self.targets()
         with autocast(self.device, self.dtype):
             anchor_tokens = self.batch.input_ids.gather(1, self.batch.anchors)
-            with record_function("drafter forward"):
+            with record_function(FORWARD_RANGE):
                 hidden = self.drafter(self.features, anchor_tokens, self.batch.anchors, mask)
             with record_function(LOSS_RANGE):
                 loss, _ = loss_fn(hidden, self.drafter.lm_head_weight, labels, weights, chunk_size)
         return loss
 
-    def build_mask(self):
+    def build_mask(self, old: bool = False):
+        """The trainer's mask; `old`: through create_block_mask (the "mask" part's old code)."""
         b = self.batch
+        if old and self.backend == "flex":
+            block_mask = create_block_mask_reference(b.anchors, b.block_valid, b.input_ids.shape[1], BLOCK)
+            return AttentionMask("flex", block_mask=block_mask, flex_attention=self.flex_attention)
         return build_mask(self.backend, b.anchors, b.block_valid, b.input_ids.shape[1], BLOCK, self.flex_attention)
 
-    def step(self, loss_fn, chunk_size: int) -> list:
+    def step(self, loss_fn, chunk_size: int, old_mask: bool = False) -> list:
         """One training step; returns clock marks: start, mask built, forward, backward, optimizer."""
         marks = [self.clock.mark()]
-        mask = self.build_mask()
+        mask = self.build_mask(old_mask)
         marks.append(self.clock.mark())
         loss = self.forward_loss(loss_fn, chunk_size, mask)
         marks.append(self.clock.mark())
@@ -227,7 +212,7 @@ class Bench:
 
     def loss_and_grads(self, variant: Variant) -> tuple[float, list[torch.Tensor]]:
         with use_old(self.drafter, variant.old_parts) as loss_fn:
-            loss = self.forward_loss(loss_fn, variant.chunk_size, self.build_mask())
+            loss = self.forward_loss(loss_fn, variant.chunk_size, self.build_mask("mask" in variant.old_parts))
             loss.backward()
         grads = [p.grad for p in self.params]
         self.optimizer.zero_grad(set_to_none=True)
@@ -251,7 +236,7 @@ class Bench:
         phases = []
         with use_old(self.drafter, variant.old_parts) as loss_fn:
             for index in range(warmup + repeats):
-                marks = self.step(loss_fn, variant.chunk_size)
+                marks = self.step(loss_fn, variant.chunk_size, "mask" in variant.old_parts)
                 self.clock.sync()
                 if index >= warmup:
                     phases.append([self.clock.ms(a, b) for a, b in itertools.pairwise(marks)])
@@ -268,10 +253,10 @@ class Bench:
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.clock.cuda else [])
         with use_old(self.drafter, variant.old_parts) as loss_fn:
-            self.step(loss_fn, variant.chunk_size)  # warm
+            self.step(loss_fn, variant.chunk_size, "mask" in variant.old_parts)  # warm
             self.clock.sync()
             with profile(activities=activities) as prof:
-                marks = [self.step(loss_fn, variant.chunk_size) for _ in range(steps)]
+                marks = [self.step(loss_fn, variant.chunk_size, "mask" in variant.old_parts) for _ in range(steps)]
                 self.clock.sync()
         wall_ms = sum(self.clock.ms(m[0], m[-1]) for m in marks)
         return summarise_profile(prof.events(), self.clock.cuda, wall_ms, steps)
@@ -316,6 +301,13 @@ def kernel_category(name: str, parents: list[str]) -> str:
     return "other"
 
 
+def is_range(event) -> bool:
+    """A named range (record_function) rather than an op or a kernel: on a GPU the profiler also puts each one
+    on the device's timeline, where counting it would add its whole span to a category."""
+    on_device = event.device_type != torch.autograd.DeviceType.CPU
+    return on_device and (getattr(event, "is_user_annotation", False) or event.name in RANGES)
+
+
 def summarise_profile(events, cuda: bool, wall_ms: float, steps: int) -> dict:
     """Device time per category and the top kernels, per step. On the CPU: op self times instead."""
     categories: dict[str, float] = {}
@@ -330,6 +322,8 @@ def summarise_profile(events, cuda: bool, wall_ms: float, steps: int) -> dict:
 
     device_us: dict[str, float] = {}  # every kernel on the device, linked to an op or not
     for event in events:
+        if is_range(event):  # a record_function range's span on the device's timeline: no kernel
+            continue
         if not cuda:
             if event.device_type == torch.autograd.DeviceType.CPU:
                 add(event.name, ancestors(event), event.self_cpu_time_total)
@@ -381,7 +375,8 @@ def rms_norm_dispatch(device: torch.device) -> dict[str, bool]:
 
 def time_target(device: torch.device, dims: dict, context: int, clock: Clock, warmup: int, repeats: int,
                 rate: float) -> dict:
-    """A Qwen3-8B-shaped random target (built where it runs), its features() forward at `context` tokens."""
+    """A Qwen3-8B-shaped random target (built where it runs), its features() forward at `context` tokens: as
+    the trainer runs it (up to the last feature layer) and, as "before", with every layer."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     from training.target import Target
@@ -391,25 +386,29 @@ def time_target(device: torch.device, dims: dict, context: int, clock: Clock, wa
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(Qwen3Config(**dims), dtype=torch.bfloat16 if cuda else torch.float32,
                                                  attn_implementation="sdpa")
-    target = Target(model, tokenizer=None)
     clock.sync()
     build_s = time.time() - start
     input_ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    ms = median_ms(lambda: target.features(input_ids), clock, warmup, repeats)
-    flops = target_flops(model.config, 1, context)
-    return {"build_s": build_s, "forward_ms": ms, "tokens_per_s": context / (ms * 1e-3), "flops": flops,
-            "mfu": flops / (ms * 1e-3) / (rate * 1e12), "layers_run": model.config.num_hidden_layers,
-            "feature_layers": target.layers,
-            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")}
+    rows = {}
+    for name, run_all_layers in (("target", False), ("target_all_layers", True)):
+        target = Target(model, tokenizer=None, run_all_layers=run_all_layers)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        ms = median_ms(lambda target=target: target.features(input_ids), clock, warmup, repeats)
+        flops = target_flops(model.config, 1, context, target.layers_run)
+        rows[name] = {"build_s": build_s, "forward_ms": ms, "tokens_per_s": context / (ms * 1e-3), "flops": flops,
+                      "mfu": flops / (ms * 1e-3) / (rate * 1e12), "layers_run": target.layers_run,
+                      "feature_layers": target.layers,
+                      "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")}
+        # The next Target hooks the same model; this one's hooks stay, idle (they act only inside its features()).
+    return rows
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = _Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="0", help="GPU index, or cpu (with --small)")
     parser.add_argument("--small", action="store_true", help="toy dims (a dry run of every code path)")
-    parser.add_argument("--variants", default="new,old,old-loss,old-norm,old-qkv,old-rope",
+    parser.add_argument("--variants", default="new,old,old-loss,old-norm,old-qkv,old-rope,old-mask",
                         help=f"comma list from {', '.join(VARIANTS)}; the first is the correctness reference")
     parser.add_argument("--chunk-sizes", default="2048,8192",
                         help="loss chunk sizes: the first for every variant, the others as extra 'new' rows")
@@ -458,10 +457,12 @@ def print_table(report: dict) -> None:
         print("  top kernels (ms/step, calls/step, category):")
         for k in profile["top_kernels"][:12]:
             print(f"    {k['ms_per_step']:7.2f} {k['calls_per_step']:5.0f}  {k['category'][:24]:24} {k['name'][:90]}")
-    if target := report.get("target"):
-        print(f"target forward ({target['layers_run']} layers run, features from {target['feature_layers']}): "
-              f"{target['forward_ms']:.1f} ms, {target['tokens_per_s']:.0f} tokens/s, {target['flops']:.3e} FLOP, "
-              f"MFU {100 * target['mfu']:.1f}%, peak {target['peak_gib']:.1f} GiB (build {target['build_s']:.0f} s)")
+    for key, label in (("target", "target forward"), ("target_all_layers", "target forward, every layer (before)")):
+        if target := report.get(key):
+            print(f"{label} ({target['layers_run']} layers run, features from {target['feature_layers']}): "
+                  f"{target['forward_ms']:.1f} ms, {target['tokens_per_s']:.0f} tokens/s, {target['flops']:.3e} "
+                  f"FLOP, MFU {100 * target['mfu']:.1f}%, peak {target['peak_gib']:.1f} GiB "
+                  f"(build {target['build_s']:.0f} s)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -515,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_target:
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        report["target"] = time_target(device, dims, context, clock, args.warmup, args.repeats, rate)
+        report.update(time_target(device, dims, context, clock, args.warmup, args.repeats, rate))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     print_table(report)

@@ -3,14 +3,17 @@
 - threaded: one target thread on GPU 0 (frozen target forward -> features) and one drafter thread on GPU 1
   (drafter forward + backward + optimizer step), overlapping through training/pipeline.py;
 - serial: each GPU runs the target forward and then the drafter step on its share of the global batch (the
-  loop of other trainers), gradients summed across the two GPUs before one optimizer step. It runs through
-  the same engine with a pass-through "target" thread, so gradient sum and step are the same code.
+  loop of other trainers), gradients summed across the two GPUs before one optimizer step: the pipeline's
+  colocated role on both GPUs (the trainer's `topology = "colocated"`), so gradient sum and step are the
+  same code.
 
 Both use the trainer's own stages (training/train.py's TargetReplica and DrafterReplica: fused AdamW, the
 chunked loss, bf16 autocast over fp32 master weights, compiled flex_attention). Qwen3-8B shapes (36 layers,
 hidden 4096, features of layers 1, 9, 17, 25, 33), random weights, bf16 target, 5-layer drafter, 3072-token
 sequences with 512 anchors x 16. Prints tokens/s, each thread's busy fraction and time per sequence, the
-ideal (the slower stage 100% busy) and the threaded/serial ratio.
+ideal (the slower stage 100% busy) and the threaded/serial ratio. Each mode builds its own replicas and
+optimizers and frees them (and resets the peak-memory counters) before the next, so no mode's figures carry
+the previous one's optimizer state.
 
     python bench/pipeline_bench.py [--global-batch 8] [--steps 6] [--warmup-steps 2] [--json out.json]
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import random
 import sys
@@ -71,25 +75,13 @@ def random_sequences(count: int, length: int, vocab: int, seed: int = 0) -> list
             for _ in range(count)]
 
 
-class PassThrough:
-    """The serial loop's "target thread": hands the batch on; the drafter replica runs the target itself."""
-
-    def features(self, batch: Batch) -> None:
-        return None
-
-
 class BenchReplica(DrafterReplica):
-    """The trainer's drafter replica; in the serial loop (`target` given) it runs its GPU's target first."""
+    """The trainer's drafter replica, warmed up at the benchmark's one shape."""
 
     def __init__(self, drafter: Drafter, config: TrainConfig, backend: str, dtype: torch.dtype,
-                 flex_attention: FlexAttention | None, warmup_batch: Batch, target: Target | None = None):
+                 flex_attention: FlexAttention | None, warmup_batch: Batch):
         super().__init__(drafter, config, backend, dtype, flex_attention)
-        self.warmup_batch, self.target = warmup_batch, target
-
-    def loss(self, features: torch.Tensor | None, batch: Batch):
-        if self.target is not None:
-            features = self.target.features(batch.input_ids)
-        return super().loss(features, batch)
+        self.warmup_batch = warmup_batch
 
     def warm_up(self) -> None:
         """Compile flex_attention forward and backward at the benchmark's one shape, on this device."""
@@ -98,7 +90,7 @@ class BenchReplica(DrafterReplica):
         features = torch.randn(*batch.input_ids.shape, c.num_features * c.hidden_size, device=self.device,
                                dtype=self.dtype)
         with WARMUP_LOCK:
-            loss, _ = self.loss(features if self.target is None else None, batch)
+            loss, _ = self.loss(features, batch)
             loss.backward()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -107,7 +99,8 @@ class BenchReplica(DrafterReplica):
 
 
 def run_mode(name: str, targets, drafters, target_devices, drafter_devices, args,
-             stream: BatchStream) -> dict:
+             stream: BatchStream, colocated=(), colocated_devices=()) -> dict:
+    """One mode's figures. The workers are dropped with the pipeline when it returns (free_mode)."""
     marks: dict[str, float] = {}
     windows: list[Utilisation] = []
     total_steps = args.warmup_steps + args.steps
@@ -121,10 +114,11 @@ def run_mode(name: str, targets, drafters, target_devices, drafter_devices, args
             marks["end"] = time.perf_counter()
 
     config = PipelineConfig(target_devices, drafter_devices, micro_batches_per_step=args.global_batch,
-                            queue_depth=args.queue_depth)
+                            queue_depth=args.queue_depth, colocated_devices=colocated_devices)
     pipeline = Pipeline(config, targets, drafters, stream, start_step=0, max_steps=total_steps,
-                        on_step=on_step)
-    gpus = sorted({d for d in [*target_devices, *drafter_devices] if d.type == "cuda"}, key=str)
+                        on_step=on_step, colocated=colocated)
+    gpus = sorted({d for d in [*target_devices, *drafter_devices, *colocated_devices] if d.type == "cuda"},
+                  key=str)
     for gpu in gpus:
         torch.cuda.reset_peak_memory_stats(gpu)
     pipeline.run()
@@ -133,11 +127,11 @@ def run_mode(name: str, targets, drafters, target_devices, drafter_devices, args
     sequences = args.steps * args.global_batch
     util = windows[0]
     # Each thread's busy time per sequence it handled (a stage's threads share its sequences).
-    stage_threads = {"target": len(target_devices), "drafter": len(drafter_devices)}
+    stage_threads = {"target": len(target_devices), "drafter": len(drafter_devices),
+                     "colocated": len(colocated_devices)}
     ms_per_sequence = {thread: 1e3 * busy * seconds * stage_threads[thread.rstrip("0123456789")] / sequences
                        for thread, busy in util.busy.items()}
-    # The serial loop's pass-through thread does no device work: the GPU threads bound it.
-    device_busy = [b for t, b in util.busy.items() if not (name == "serial" and t.startswith("target"))]
+    device_busy = list(util.busy.values())
     tokens_per_s = sequences * args.length / seconds
     return {
         "mode": name,
@@ -149,6 +143,13 @@ def run_mode(name: str, targets, drafters, target_devices, drafter_devices, args
         "queue_depth": util.as_metrics()["queue_depth"],
         "peak_memory_gib": {str(gpu): torch.cuda.max_memory_allocated(gpu) / 2**30 for gpu in gpus},
     }
+
+
+def free_mode() -> None:
+    """After a mode: its replicas, optimizer state and pipeline are garbage now; give their memory back."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -200,18 +201,22 @@ def main() -> None:
           f"({first.num_trainable() / 1e9:.3f} B trainable parameters) in {time.perf_counter() - t0:.0f} s",
           flush=True)
 
-    # Serial first: it needs both drafter replicas identical, and training changes them.
-    serial_replicas = [BenchReplica(d, config, backend, dtype, flex_attention, warmup_batch, target=t)
-                       for d, t in zip(drafters, targets)]
-    serial = run_mode("serial", [PassThrough()], serial_replicas, [torch.device("cpu")], devices, args,
-                      stream())
+    def replica(drafter: Drafter) -> BenchReplica:
+        return BenchReplica(drafter, config, backend, dtype, flex_attention, warmup_batch)
+
+    # Serial first: it needs both drafter replicas identical, and training changes them. Every mode builds
+    # its own replicas (fresh optimizers) inline, so nothing of it outlives run_mode but the figures.
+    serial = run_mode("serial", [], [], [], [], args, stream(),
+                      colocated=[(TargetReplica(t), replica(d)) for t, d in zip(targets, drafters)],
+                      colocated_devices=devices)
+    free_mode()
     # The serial loop kept both replicas identical: the shared split trains both, the 1:1 split one of them.
-    shared = run_mode("threaded 1:2", [TargetReplica(target)],
-                      [BenchReplica(d, config, backend, dtype, flex_attention, warmup_batch) for d in drafters],
-                      [devices[0]], devices, args, stream())
-    threaded = run_mode("threaded", [TargetReplica(target)],
-                        [BenchReplica(drafters[1], config, backend, dtype, flex_attention, warmup_batch)],
-                        [devices[0]], [devices[1]], args, stream())
+    shared = run_mode("threaded 1:2", [TargetReplica(target)], [replica(d) for d in drafters], [devices[0]],
+                      devices, args, stream())
+    free_mode()
+    threaded = run_mode("threaded", [TargetReplica(target)], [replica(drafters[1])], [devices[0]], [devices[1]],
+                        args, stream())
+    free_mode()
 
     card = torch.cuda.get_device_name(0) if devices[0].type == "cuda" else "CPU (smoke)"
     print(f"\nPipeline throughput: global batch {args.global_batch} x {args.length} tokens, {args.anchors} "
@@ -223,8 +228,7 @@ def main() -> None:
                          for thread, fraction in row["busy"].items())
         print(f"{row['mode']:12} {row['tokens_per_s']:8.0f} {row['step_s']:7.2f} "
               f"{row['ideal_tokens_per_s']:12.0f}  {busy}")
-    print("serial: target0 is the pass-through thread; drafter0/1 run target forward + drafter step on "
-          "GPU 0/1.\n"
+    print("serial: colocated0/1 run target forward + drafter step on GPU 0/1 (the colocated role).\n"
           "threaded 1:2: target0 runs the target on GPU 0, drafter0/1 drafter replicas on GPU 0/1.\n"
           "threaded: target0 runs the target on GPU 0, drafter0 the drafter on GPU 1.")
     ratio = threaded["tokens_per_s"] / serial["tokens_per_s"]

@@ -200,3 +200,12 @@ def load_checkpoint(path: Path, drafter: Drafter, optimizer: torch.optim.Optimiz
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
     return {"step": state["step"], "data": state["data"]}
+
+
+def checkpoint_train_config(path: Path) -> dict:
+    """The training config a checkpoint was written with ({} when it holds none)."""
+    try:
+        train = json.loads((path / "config.json").read_text()).get("train")
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+    return train if isinstance(train, dict) else {}

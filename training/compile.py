@@ -13,6 +13,8 @@ The discipline, enforced here:
 - after the barrier nothing compiles: calls outside the warmed keys raise `UnwarmedShapeError` before
   dynamo sees them, and `torch.compiler.set_stance("fail_on_recompile")` (process-global) catches the rest;
 - counters prove it: compiled calls, compiles after warm-up, eager runs and FX traces (`CallAudit`).
+- a layout trial (`trial`), in one thread before the others start, warms its device's keys the same way and may
+  call them: its keys are counted in the limit like every thread's (its device is one of `devices`).
 Nothing here switches a PyTorch check off or patches a PyTorch function: it only reads and observes.
 
 One instance per process: dynamo keeps its cache on the compiled function's code object, so every
@@ -24,7 +26,8 @@ from __future__ import annotations
 import inspect
 import sys
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -185,7 +188,9 @@ class SharedFlexAttention:
     """The one compiled flex_attention of the process, called by several threads after a locked warm-up.
 
     Usage: build it once before the threads start; each of the `threads` threads calls `warm_up(device, ...)`
-    (which returns once every thread has warmed), then calls the instance like flex_attention.
+    (which returns once every thread has warmed), then calls the instance like flex_attention. When the number
+    of threads is not known yet (the trainer's `topology = "auto"` decides it after a `trial`), pass
+    threads=None and call `expect_threads(n)` before they start.
     """
 
     def __init__(
@@ -193,7 +198,7 @@ class SharedFlexAttention:
         *,
         shapes: Sequence[AttentionShape],
         devices: Sequence[torch.device | str | int],
-        threads: int,
+        threads: int | None,
         dtype: torch.dtype = torch.bfloat16,
         grad_modes: Iterable[bool] = (False, True),
         backend: str = "inductor",
@@ -225,7 +230,9 @@ class SharedFlexAttention:
         self._compiled = torch.compile(attention_fn, dynamic=False, fullgraph=True, backend=backend, **limit_kwarg)
         self.audit = CallAudit(attention_fn)
         self._compile_events = CompileEventCounter()
-        self._barrier = threading.Barrier(threads, action=self._enter_steady_state)
+        self._barrier: threading.Barrier | None = None
+        if threads is not None:
+            self.expect_threads(threads)
         self._thread = threading.local()
         self._warm_keys: set[tuple] = set()
         self._steady = False
@@ -236,6 +243,40 @@ class SharedFlexAttention:
         self._traces_at_barrier = 0
 
     # ---- warm-up -------------------------------------------------------------------------------------
+
+    def expect_threads(self, threads: int) -> None:
+        """How many threads will call `warm_up` (and meet at its barrier); once, before any of them starts."""
+        if self._barrier is not None:
+            raise CompileDisciplineError(f"expect_threads({threads}): already expecting {self._barrier.parties}")
+        self._barrier = threading.Barrier(threads, action=self._enter_steady_state)
+
+    @contextmanager
+    def trial(
+        self,
+        device: torch.device | str | int,
+        block_mask_for: Callable[[AttentionShape, torch.device], BlockMask],
+        qkv_for: Callable = contiguous_qkv,
+    ) -> Iterator[None]:
+        """In one thread, before any thread's `warm_up`: compile every shape x grad mode on `device` under the
+        process-wide lock, as `warm_up` does, and let this thread call the warmed keys until the block ends
+        (the trainer measures its stages there). Nothing else compiles meanwhile (the lock is held), the keys
+        are within the recompile limit (`device` is one of `devices`), and a thread warming up on `device`
+        later finds them compiled."""
+        device = as_device(device)
+        if device not in self.devices:
+            raise CompileDisciplineError(f"trial on {device}: this attention was sized for {self.devices}")
+        if self._steady or (self._barrier is not None and self._barrier.n_waiting):
+            raise CompileDisciplineError("a trial must come before every thread's warm-up")
+        with COMPILE_LOCK:
+            self._limit_recompiles_in_this_thread()
+            for shape in self.shapes:
+                for grad in self.grad_modes:
+                    self._warm_one(shape, grad, device, block_mask_for, qkv_for)
+            self._thread.in_trial = True
+            try:
+                yield
+            finally:
+                self._thread.in_trial = False
 
     def warm_up(
         self,
@@ -249,6 +290,8 @@ class SharedFlexAttention:
         device = as_device(device)
         if device not in self.devices:
             raise CompileDisciplineError(f"warm_up on {device}: this attention was sized for {self.devices}")
+        if self._barrier is None:
+            raise CompileDisciplineError("warm_up before expect_threads: how many threads meet is not known")
         try:
             with COMPILE_LOCK:
                 self._limit_recompiles_in_this_thread()
@@ -339,14 +382,15 @@ class SharedFlexAttention:
         head counts differ (an explicit `enable_gqa` must agree: it is a compile-time constant)."""
         if enable_gqa is not None and enable_gqa != (q.size(1) != k.size(1)):
             raise UnwarmedShapeError(f"enable_gqa={enable_gqa} with {q.size(1)} query and {k.size(1)} kv heads")
-        if not self._steady:
+        if not self._steady and not getattr(self._thread, "in_trial", False):
             raise CompileDisciplineError("shared flex_attention called before every thread finished warm_up")
         key = self._key(q, k, v, block_mask)
         if key not in self._warm_keys:
             raise UnwarmedShapeError(self._describe_unwarmed(q, k, v))
         self._limit_recompiles_in_this_thread()
-        with self._counts_lock:
-            self._compiled_calls += 1
+        if self._steady:  # a trial's calls are not steady state
+            with self._counts_lock:
+                self._compiled_calls += 1
         return self._call_compiled(q, k, v, block_mask)
 
     def _call_compiled(self, q, k, v, block_mask) -> torch.Tensor:

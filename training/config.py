@@ -5,6 +5,7 @@ the entry point prints it and exits 2.
 """
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ PRESETS_DIR = Path(__file__).parent / "presets"
 DTYPES = ("auto", "bfloat16", "float32")
 ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
 ON_CHECKPOINT_ERROR = ("stop", "warn")
+TOPOLOGY = re.compile(r"^(\d+):(\d+)$")
+RANDOM_TARGETS = ("qwen3-8b", "qwen3-8b-narrow")  # training/random_world.py builds them
 
 
 class ConfigError(ValueError):
@@ -30,6 +33,9 @@ class TrainConfig:
     # What to train against, where to write.
     target_path: str = ""  # a Hugging Face model directory (weights + tokenizer with a chat template)
     data_path: str = ""  # JSONL, one {"messages": [{"role": .., "content": ..}, ..]} per line
+    # Instead of target_path and data_path: a random-weight target of this shape built on each target device
+    # and synthetic conversations (training/random_world.py): "qwen3-8b", or "qwen3-8b-narrow" for the CPU.
+    random_target: str = ""
     eval_data_path: str = ""  # JSONL of held-out conversations; "" = the last eval_prompts of data_path
     output_dir: str = "runs/dflash"
     build_tiny: bool = False  # build the tiny random Qwen3 target and its data at the paths above if missing
@@ -58,9 +64,15 @@ class TrainConfig:
     gamma: float = 7.0
     loss_chunk_size: int = 2048  # block positions per chunk of the vocabulary-wide cross-entropy
 
-    # Devices and numerics.
-    target_devices: list[int | str] | str = "cpu"  # GPU indices and/or "cpu" entries, or "cpu"
-    drafter_devices: list[int | str] | str = "cpu"
+    # Devices (training/layout.py): a thread per entry, each in a role. `devices` with `topology`: "auto"
+    # (measure at warm-up, take the fastest layout that fits), "colocated" (each entry runs target forward then
+    # drafter step: the serial loop), or "T:D" (T target entries feeding D drafter entries). Setting any of
+    # target_devices / drafter_devices / colocated_devices gives the layout explicitly instead.
+    devices: list[int | str] | str = "cpu"  # GPU indices and/or "cpu" entries, or "cpu"
+    topology: str = "auto"
+    target_devices: list[int | str] | str = field(default_factory=list)
+    drafter_devices: list[int | str] | str = field(default_factory=list)
+    colocated_devices: list[int | str] | str = field(default_factory=list)
     dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on the CPU
     attention: str = "auto"  # auto = flex on CUDA, sdpa on the CPU
     num_threads: int = 0  # torch CPU threads; 0 = torch's default
@@ -120,9 +132,16 @@ class TrainConfig:
             raise ConfigError(f"debug_nan_steps must be step numbers >= 1, got {self.debug_nan_steps}")
         if any(layer < 0 for layer in self.target_layers):
             raise ConfigError(f"target_layers must be layer indices >= 0, got {self.target_layers}")
-        for name in ("target_devices", "drafter_devices"):
-            parse_devices(getattr(self, name), name)
-        for name in ("target_path", "data_path", "output_dir"):
+        parse_devices(self.devices, "devices")
+        for name in ("target_devices", "drafter_devices", "colocated_devices"):
+            if getattr(self, name):
+                parse_devices(getattr(self, name), name)
+        check_topology(self.topology)
+        if self.random_target and self.random_target not in RANDOM_TARGETS:
+            raise ConfigError(f"random_target must be one of {', '.join(RANDOM_TARGETS)} (or empty), "
+                              f"got {self.random_target!r}")
+        paths = ("output_dir",) if self.random_target else ("target_path", "data_path", "output_dir")
+        for name in paths:
             if not getattr(self, name):
                 raise ConfigError(f"{name} is not set (use --set {name}=...)")
         return self
@@ -139,6 +158,15 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def check_topology(topology: str) -> None:
+    if topology in ("auto", "colocated"):
+        return
+    match = TOPOLOGY.match(topology)
+    if not match or min(int(match[1]), int(match[2])) < 1:
+        raise ConfigError(f'topology must be "auto", "colocated" or "T:D" (targets:drafters, each >= 1), '
+                          f"got {topology!r}")
 
 
 def parse_devices(value: list[int | str] | str, name: str = "devices") -> list[str]:

@@ -3,11 +3,17 @@
 The JSON goes to $GPUCTL_METRICS when set, else <output_dir>/metrics.jsonl. At its start a run also says where
 its output goes, into $GPUCTL_RUN_INFO when set (announce_output_dir). Every record has `step`,
 `total_steps` and `time` (Unix seconds) and `elapsed_s`; training records add `loss`, `lr`, `tokens_per_s`
-(real target tokens per second over the logging window), `accuracy`, `grad_norm`, `skipped_steps` (steps of
-the window whose update was skipped for a non-finite loss or gradient; `loss` and `accuracy` average the others
-and are left out when there are none, `grad_norm` when the window's last step was skipped) and
-`skipped_steps_total` (since the process started), and from the pipeline `busy` (each thread's busy fraction of
-the window) and `queue_depth` (`mean`, `max`, `bound`); evaluations add `acceptance_length`.
+(real target tokens per second over the logging window; the first window starts when every thread has warmed
+up), `tflops_per_s` (counted matrix FLOPs of the target forward and drafter step per second, training/flops.py:
+divided by the devices' matrix rate it is the MFU), `accuracy`, `grad_norm`, `skipped_steps` (steps of the
+window whose update was skipped for a non-finite loss or gradient; `loss` and `accuracy` average the others and
+are left out when there are none, `grad_norm` when the window's last step was skipped), `skipped_steps_total`
+(since the process started), `layout` (its name, e.g. "colocated" or "1:1"), `peak_memory_gib` (per device:
+torch's peak allocation on a GPU, the process's peak RSS for "cpu"), and from the pipeline `busy` (each thread's
+busy fraction of the window) and `queue_depth` (`mean`, `max`, `bound`). The first training record adds
+`layout_detail` (every role's devices) and, with topology "auto", `layout_auto` (the trial's times per sequence
+and every candidate's prediction and memory), and every record `predicted_tokens_per_s`. Evaluations add
+`acceptance_length`.
 """
 
 from __future__ import annotations
@@ -69,6 +75,10 @@ def format_progress(record: dict) -> str:
         parts.append(f"busy {busy}")
     if record.get("queue_depth"):
         parts.append("queue {mean:.1f}/{bound} max {max}".format(**record["queue_depth"]))
+    if record.get("layout"):
+        parts.append(f"layout {record['layout']}")
+    if record.get("peak_memory_gib"):
+        parts.append(f"mem {max(record['peak_memory_gib'].values()):.1f} GiB")
     parts.append(f"{record['elapsed_s']:.1f}s")
     return "  ".join(parts)
 

@@ -1,16 +1,21 @@
 """The threaded training pipeline: target threads turn micro-batches into features, drafter threads train.
 
-One process, one thread per device entry. Each target thread owns a frozen target replica; each drafter
-thread owns a drafter replica and its optimizer. A global step is M = `micro_batches_per_step` micro-batches;
-every drafter accumulates the gradients of the micro-batches it took (each loss scaled by 1/M), then at the
-step boundary the gradients are summed across replicas (NCCL through torch.cuda.comm on distinct GPUs, a
-plain sum otherwise), clipped once, and every replica steps its own optimizer on the same gradients, so the
-replicas stay bit-identical. A step whose loss or summed gradient is not finite updates nothing, on every
-replica alike (they share the sum): its StepReport says what was not finite, and the micro-batches are spent.
+One process, one thread per device entry, in three roles. Each target thread owns a frozen target replica;
+each drafter thread owns a drafter replica and its optimizer; each colocated thread owns both, and runs the
+target forward and then the drafter step on its own micro-batches (the serial loop, as one role of the same
+pipeline: no queue, no copy between devices). Drafter and colocated threads are the replicas. A global step is
+M = `micro_batches_per_step` micro-batches; every replica accumulates the gradients of the micro-batches it
+took (each loss scaled by 1/M), then at the step boundary the gradients are summed across replicas (NCCL
+through torch.cuda.comm on distinct GPUs, a plain sum otherwise), clipped once, and every replica steps its own
+optimizer on the same gradients, so the replicas stay bit-identical. A step whose loss or summed gradient is
+not finite updates nothing, on every replica alike (they share the sum): its StepReport says what was not
+finite, and the micro-batches are spent.
 
 What keeps it correct:
 - Order: micro-batch n of the source belongs to step start + n // M, index n % M, whichever thread computes
-  it. Drafters claim a step's indices in order, so with one drafter the accumulation order is fixed too.
+  it; the source is read in that order. Target threads read ahead (within the bound below); a colocated thread
+  reads the next micro-batch only while it belongs to the step it is in. Drafters take the target threads'
+  micro-batches of a step in index order, so with one drafter the accumulation order is fixed too.
 - Bounded: at most `queue_depth` micro-batches live between a target's claim and a drafter's take; targets may
   run ahead into later steps within that bound, drafters never start step g+1 before their step g update.
 - Streams: on CUDA each thread works on its own stream and synchronizes it at the end of every busy span;
@@ -20,8 +25,10 @@ What keeps it correct:
   the trainer's second stop signal). A requested stop (`request_stop`, or the `stop` that `run` polls) ends at
   a step boundary: the current step finishes if all its micro-batches were already done, otherwise it is
   dropped. The pipeline installs no signal handler: the process's entry point owns signals.
-- Compile discipline: each thread calls its worker's optional `warm_up()` on its own device, then every thread
+- Compile discipline: each thread calls its workers' optional `warm_up()` on its own device, then every thread
   meets at one barrier before steady state (no thread works while another may still be compiling).
+- Layouts: target threads need drafter threads and the other way round; colocated threads need neither, so a
+  run may be all colocated, all disaggregated (T targets : D drafters), or a mix of the two.
 """
 
 from __future__ import annotations
@@ -80,6 +87,13 @@ class PipelineConfig:
     stall_timeout_s: float = 1800.0
     # After an abort, how long to wait for threads still inside a long device call before giving up on them.
     abort_grace_s: float = 60.0
+    # One thread per entry running target forward + drafter step on its own micro-batches (the serial loop).
+    colocated_devices: Sequence[torch.device] = ()
+
+    @property
+    def replica_devices(self) -> list[torch.device]:
+        """The drafter replicas' devices, in replica order: drafter threads first, then colocated ones."""
+        return [*self.drafter_devices, *self.colocated_devices]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +215,11 @@ def check_replicas_identical(drafters: Sequence[DrafterWorker]) -> None:
 
 
 class _Handoff:
-    """Micro-batches from the source through target threads to drafter threads, bounded and in order."""
+    """Micro-batches from the source to the threads that compute them, bounded and in order.
+
+    The source is read in order, under one lock, by target threads (which publish features for drafter
+    threads) and by colocated threads (which keep what they read). A micro-batch's key (step, index) follows
+    from its position in the source, whoever reads it."""
 
     def __init__(self, source: Iterable[Any], total: int, per_step: int, start_step: int, bound: int):
         self._source: Iterator[Any] = iter(source)
@@ -213,11 +231,11 @@ class _Handoff:
         self.cond = threading.Condition()
         self.stopping = False  # no new work: a requested stop or an abort
         self.aborted = False
-        self._claimed = 0  # slots handed to targets so far
         self._source_position = 0  # micro-batches read from the source so far
-        self._live = 0  # claimed by a target and not yet taken by a drafter
+        self._live = 0  # reserved or published by a target thread and not yet taken by a drafter
         self._ready: dict[tuple[int, int], Any] = {}
-        self._next_index: dict[int, int] = {}  # step -> next index a drafter claims
+        self._readers: dict[tuple[int, int], str] = {}  # key -> "target" or "colocated", once read
+        self._next_index: dict[int, int] = {}  # step -> next index drafters look at
         self._done: dict[int, int] = {}  # step -> micro-batches whose backward finished
         self._depth_area = 0.0
         self._depth_since = time.perf_counter()
@@ -245,21 +263,20 @@ class _Handoff:
             self.aborted = self.aborted or abort
             self.cond.notify_all()
 
-    # Target side.
-    def claim_for_target(self) -> tuple[tuple[int, int], Any] | None:
-        """The next micro-batch in source order, once there is room; None when there is no more work."""
-        with self.cond:
-            while not self.stopping and self._claimed < self._total and self._live >= self.bound:
-                self._wait()
-            if self.stopping or self._claimed >= self._total:
-                return None
-            self._live += 1
-            self._claimed += 1
-        # The source lock, not the handoff's, serialises data work, so drafters are not held up by it;
-        # taking the ordinal and the item under one lock keeps the source order.
+    def _key(self, ordinal: int) -> tuple[int, int]:
+        return self._start_step + ordinal // self._per_step, ordinal % self._per_step
+
+    def _read(self, reader: str, only_step: int | None = None) -> tuple[tuple[int, int], Any] | None:
+        """The next micro-batch of the source and its key; None when the run's share is read (or, with
+        `only_step`, when the next one belongs to a later step). The source lock, not the handoff's,
+        serialises data work, so drafters are not held up by it."""
         with self._source_lock:
             ordinal = self._source_position
-            self._source_position += 1
+            if ordinal >= self._total or self.stopping:
+                return None
+            key = self._key(ordinal)
+            if only_step is not None and key[0] != only_step:
+                return None
             try:
                 batch = next(self._source)
             except StopIteration:
@@ -267,7 +284,30 @@ class _Handoff:
                     f"the micro-batch source ended after {ordinal} micro-batches; "
                     f"{self._total} were needed ({self._per_step} per step)"
                 ) from None
-        return (self._start_step + ordinal // self._per_step, ordinal % self._per_step), batch
+            self._source_position += 1
+        with self.cond:
+            self._readers[key] = reader
+            self.cond.notify_all()
+        return key, batch
+
+    # Target side.
+    def claim_for_target(self) -> tuple[tuple[int, int], Any] | None:
+        """The next micro-batch in source order, once there is room; None when there is no more work."""
+        with self.cond:
+            while not self.stopping and self._source_position < self._total and self._live >= self.bound:
+                self._wait()
+            if self.stopping or self._source_position >= self._total:
+                return None
+            self._live += 1
+        claim = None
+        try:
+            claim = self._read("target")
+        finally:
+            if claim is None:
+                with self.cond:
+                    self._live -= 1
+                    self.cond.notify_all()
+        return claim
 
     def publish(self, key: tuple[int, int], item: Any) -> None:
         with self.cond:
@@ -276,15 +316,28 @@ class _Handoff:
             self._depth_max = max(self._depth_max, len(self._ready))
             self.cond.notify_all()
 
+    # Colocated side.
+    def claim_own(self, step: int) -> tuple[tuple[int, int], Any] | None:
+        """The next micro-batch of the source while it belongs to `step`; None once the step's are all read
+        (or work stops)."""
+        return self._read("colocated", only_step=step)
+
     # Drafter side.
     def claim_for_drafter(self, step: int) -> int | None:
-        """The next unclaimed index of `step`; None once all are claimed or work stops."""
+        """The next index of `step` that a target thread read, in index order (waiting until the next one is
+        read); None once every index of the step is claimed or read by a colocated thread, or work stops."""
         with self.cond:
-            index = self._next_index.get(step, 0)
-            if self.stopping or index >= self._per_step:
-                return None
-            self._next_index[step] = index + 1
-            return index
+            while True:
+                index = self._next_index.get(step, 0)
+                if self.stopping or index >= self._per_step:
+                    return None
+                reader = self._readers.get((step, index))
+                if reader is None:
+                    self._wait()
+                    continue
+                self._next_index[step] = index + 1
+                if reader == "target":
+                    return index
 
     def take(self, key: tuple[int, int]) -> Any | None:
         """The published item for `key`; None when work stops first (the step is then dropped)."""
@@ -302,6 +355,8 @@ class _Handoff:
     def mark_done(self, step: int) -> None:
         with self.cond:
             self._done[step] = self._done.get(step, 0) + 1
+            for key in [k for k in self._readers if k[0] < step]:
+                del self._readers[key]
 
     def step_complete(self, step: int) -> bool:
         with self.cond:
@@ -354,11 +409,14 @@ def _on_device(device: torch.device):
 
 
 class Pipeline:
-    """Runs steps [start_step, max_steps) with one thread per target and drafter worker (see the module doc).
+    """Runs steps [start_step, max_steps) with one thread per target, drafter and colocated worker (see the
+    module doc).
 
     Workers are built by the caller, one per device entry (in the main thread, one at a time: transformers
     patches torch.nn.init globally while it loads, so building in parallel threads is not safe); drafter
-    replicas must start identical. Each thread calls its worker's optional `warm_up()` on its own device.
+    replicas (the drafters, then the colocated entries' drafters) must start identical. Each thread calls its
+    workers' optional `warm_up()` on its own device. `on_steady` runs once, when every thread has warmed up
+    and none has started working.
     """
 
     def __init__(
@@ -371,21 +429,31 @@ class Pipeline:
         start_step: int,
         max_steps: int,
         on_step: Callable[[StepReport], None] | None = None,
+        colocated: Sequence[tuple[TargetWorker, DrafterWorker]] = (),
+        on_steady: Callable[[], None] | None = None,
     ):
         if config.micro_batches_per_step < 1:
             raise ValueError("micro_batches_per_step must be at least 1")
         if config.queue_depth < 1:
             raise ValueError("queue_depth must be at least 1")
-        if not config.target_devices or not config.drafter_devices:
-            raise ValueError("the pipeline needs at least one target and one drafter device")
-        if len(targets) != len(config.target_devices) or len(drafters) != len(config.drafter_devices):
-            raise ValueError("one target worker per target device and one drafter worker per drafter device")
+        if not config.replica_devices:
+            raise ValueError("the pipeline needs at least one drafter or colocated device")
+        if bool(config.target_devices) != bool(config.drafter_devices):
+            raise ValueError("target threads need drafter threads and drafter threads need target threads "
+                             f"(targets {len(config.target_devices)}, drafters {len(config.drafter_devices)})")
+        if (len(targets) != len(config.target_devices) or len(drafters) != len(config.drafter_devices)
+                or len(colocated) != len(config.colocated_devices)):
+            raise ValueError("one target worker per target device, one drafter worker per drafter device and "
+                             "one (target, drafter) pair per colocated device")
         self.config = config
         self.targets = list(targets)
-        self.drafters = list(drafters)
+        self.colocated_targets = [target for target, _ in colocated]
+        # Every drafter replica, in replica order: the leader (replica 0) logs and checkpoints.
+        self.drafters = [*drafters, *(drafter for _, drafter in colocated)]
         self._start_step = start_step
         self._max_steps = max(max_steps, start_step)
         self._on_step = on_step
+        self._on_steady = on_steady
         self._per_step = config.micro_batches_per_step
         self._handoff = _Handoff(
             micro_batches,
@@ -396,9 +464,11 @@ class Pipeline:
         )
         self.target_names = [f"target{i}" for i in range(len(config.target_devices))]
         self.drafter_names = [f"drafter{i}" for i in range(len(config.drafter_devices))]
-        self._clocks = _BusyClocks(self.target_names + self.drafter_names)
-        self._devices = dict(zip(self.target_names + self.drafter_names,
-                                 [*config.target_devices, *config.drafter_devices]))
+        self.colocated_names = [f"colocated{i}" for i in range(len(config.colocated_devices))]
+        names = self.target_names + self.drafter_names + self.colocated_names
+        self._clocks = _BusyClocks(names)
+        self._devices = dict(zip(names, [*config.target_devices, *config.drafter_devices,
+                                         *config.colocated_devices]))
         self._in_hand: dict[str, Any] = {}  # thread -> the micro-batch (from the source) it works on now
         self._error: tuple[str, BaseException] | None = None
         self._error_lock = threading.Lock()
@@ -406,13 +476,13 @@ class Pipeline:
         self._progress = 0
         self._steps_done = start_step
         self._steady = False  # every thread has passed warm-up
-        self._ready_barrier = threading.Barrier(
-            len(config.target_devices) + len(config.drafter_devices), action=self._start_steady_state
-        )
-        self._step_barrier = threading.Barrier(len(config.drafter_devices))
+        replicas = len(config.replica_devices)
+        self._ready_barrier = threading.Barrier(len(config.target_devices) + replicas,
+                                                action=self._start_steady_state)
+        self._step_barrier = threading.Barrier(replicas)
         # Per replica: the step's summed loss and companion metrics, read by the leader at the step boundary.
-        self._step_sums: list[dict[str, torch.Tensor]] = [{} for _ in config.drafter_devices]
-        # Written by the leader drafter between the two step barriers, read by every drafter after the second.
+        self._step_sums: list[dict[str, torch.Tensor]] = [{} for _ in range(replicas)]
+        # Written by the leader replica between the two step barriers, read by every replica after the second.
         self._plan_complete = False
         self._plan_skip = False  # the step's loss or summed gradient is not finite: no update
         self._plan_stop_after = False
@@ -453,12 +523,15 @@ class Pipeline:
         if self._max_steps == self._start_step:
             return RunResult(self._start_step, stopped=False)
         check_replicas_identical(self.drafters)
+        roles = [
+            (self.target_names, self.config.target_devices, self._target_loop),
+            (self.drafter_names, self.config.drafter_devices, self._drafter_loop),
+            (self.colocated_names, self.config.colocated_devices, self._colocated_loop),
+        ]
         threads = [
-            threading.Thread(target=self._thread_main, args=(name, device, self._target_loop, i), name=name)
-            for i, (name, device) in enumerate(zip(self.target_names, self.config.target_devices))
-        ] + [
-            threading.Thread(target=self._thread_main, args=(name, device, self._drafter_loop, i), name=name)
-            for i, (name, device) in enumerate(zip(self.drafter_names, self.config.drafter_devices))
+            threading.Thread(target=self._thread_main, args=(name, device, loop, i), name=name)
+            for names, devices, loop in roles
+            for i, (name, device) in enumerate(zip(names, devices))
         ]
         for thread in threads:
             thread.daemon = True  # a thread stuck inside a device call must not keep the process alive
@@ -529,6 +602,8 @@ class Pipeline:
         self._steady = True
         self._clocks.take_window()
         self._handoff.take_depth_window(0.0)
+        if self._on_steady is not None:
+            self._on_steady()
 
     @contextmanager
     def _busy(self, name: str, stream: torch.cuda.Stream | None):
@@ -541,10 +616,11 @@ class Pipeline:
             self._clocks.stop(name)
             self._progress += 1
 
-    def _warm_up_and_meet(self, worker: Any) -> None:
-        warm_up = getattr(worker, "warm_up", None)
-        if warm_up is not None:
-            warm_up()
+    def _warm_up_and_meet(self, *workers: Any) -> None:
+        for worker in workers:
+            warm_up = getattr(worker, "warm_up", None)
+            if warm_up is not None:
+                warm_up()
         self._ready_barrier.wait()
 
     def _target_loop(self, name: str, device: torch.device, stream, index: int) -> None:
@@ -559,19 +635,53 @@ class Pipeline:
             self._handoff.publish(key, (features, batch))
 
     def _drafter_loop(self, name: str, device: torch.device, stream, index: int) -> None:
+        """A drafter replica on the target threads' features."""
         worker = self.drafters[index]
         self._warm_up_and_meet(worker)
+
+        def next_micro_batch(step: int) -> Any | None:
+            micro = self._handoff.claim_for_drafter(step)
+            item = None if micro is None else self._handoff.take((step, micro))
+            if item is not None:
+                self._in_hand[name] = item[1]  # the source's batch (its features are the target's output)
+            return item
+
+        def features_and_batch(item: Any) -> tuple[Any, Any]:
+            return move_to_device(item, device)
+
+        self._replica_loop(name, stream, index, worker, next_micro_batch, features_and_batch)
+
+    def _colocated_loop(self, name: str, device: torch.device, stream, index: int) -> None:
+        """Target forward and drafter step, one after the other, on the micro-batches this thread reads."""
+        target = self.colocated_targets[index]
+        replica = len(self.config.drafter_devices) + index
+        worker = self.drafters[replica]
+        self._warm_up_and_meet(target, worker)
+
+        def next_micro_batch(step: int) -> Any | None:
+            claim = self._handoff.claim_own(step)
+            if claim is not None:
+                self._in_hand[name] = claim[1]
+            return None if claim is None else claim[1]
+
+        def features_and_batch(item: Any) -> tuple[Any, Any]:
+            batch = move_to_device(item, device)
+            with torch.no_grad():
+                return target.features(batch), batch
+
+        self._replica_loop(name, stream, replica, worker, next_micro_batch, features_and_batch)
+
+    def _replica_loop(self, name: str, stream, replica: int, worker: DrafterWorker,
+                      next_micro_batch: Callable[[int], Any | None],
+                      features_and_batch: Callable[[Any], tuple[Any, Any]]) -> None:
+        """Steps of one replica: its micro-batches' gradients, then the shared update at each step boundary."""
         params = list(worker.trainable_parameters())
-        leader = index == 0
+        leader = replica == 0
         for step in range(self._start_step, self._max_steps):
             sums: dict[str, torch.Tensor] = {}
-            while (micro := self._handoff.claim_for_drafter(step)) is not None:
-                item = self._handoff.take((step, micro))
-                if item is None:
-                    break
-                self._in_hand[name] = item[1]  # the source's batch (its features are the target's output)
+            while (item := next_micro_batch(step)) is not None:
                 with self._busy(name, stream):
-                    features, batch = move_to_device(item, device)
+                    features, batch = features_and_batch(item)
                     output = worker.loss(features, batch)
                     loss, metrics = output if isinstance(output, tuple) else (output, {})
                     (loss / self._per_step).backward()
@@ -580,7 +690,7 @@ class Pipeline:
                 # Only now, with this stream synchronized, may the target's tensors be freed.
                 del item, features, batch, output, loss, self._in_hand[name]
                 self._handoff.mark_done(step)
-            self._step_sums[index] = sums
+            self._step_sums[replica] = sums
             self._step_barrier.wait()
             if leader:
                 with self._busy(name, stream):
@@ -589,9 +699,9 @@ class Pipeline:
             if not self._plan_complete:
                 return
             with self._busy(name, stream):
-                for param, grad in zip(params, self._plan_grads[index]):
+                for param, grad in zip(params, self._plan_grads[replica]):
                     param.grad = grad
-                self._plan_grads[index] = []  # the replica's .grad is now the only reference
+                self._plan_grads[replica] = []  # the replica's .grad is now the only reference
                 if not self._plan_skip:  # every replica decides alike: they share the summed gradients
                     worker.optimizer_step()
                 for param in params:
@@ -614,7 +724,7 @@ class Pipeline:
             return
         replicas = [w.trainable_parameters() for w in self.drafters]
         grads = [[torch.zeros_like(p) if p.grad is None else p.grad for p in params] for params in replicas]
-        devices = list(self.config.drafter_devices)
+        devices = self.config.replica_devices
         self._plan_grads, norm = sum_and_clip_gradients(grads, devices, self.config.grad_clip)
         # The sum and copies ran on this thread's streams of every drafter GPU: finish them before the other
         # drafters read their gradients on their own streams.

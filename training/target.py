@@ -2,7 +2,9 @@
 
 The drafter is conditioned on the outputs of a few target layers (ARCHITECTURE §5). They are captured with forward
 hooks on the decoder layers, so "layer l" means exactly the output of `layers[l]` whatever a given
-transformers version puts in `hidden_states`.
+transformers version puts in `hidden_states`. The forward stops once the last of them has run (the hook on it
+raises, `features` catches): the layers after it, the final norm and the LM head are never computed (Qwen3-8B:
+34 of 36 layers).
 
 What the served format (ARCHITECTURE §7) needs of a target is checked here, in one line each and before its weights
 load: the serving engines read layer l as `hidden_states[l + 1]`, which is the output of `layers[l]` except for
@@ -22,6 +24,10 @@ from transformers import AddedToken, AutoConfig, AutoModelForCausalLM, AutoToken
 from training.config import ConfigError
 
 MASK_TOKEN = "<|MASK|>"
+
+
+class _FeaturesReady(Exception):
+    """Raised by the hook on the last feature layer: everything `features` needs is captured."""
 
 
 def default_feature_layers(num_layers: int, count: int = 5) -> list[int]:
@@ -79,7 +85,9 @@ def mask_token_id(tokenizer: PreTrainedTokenizerBase, embedding_rows: int) -> in
 class Target:
     """A frozen causal LM plus its tokenizer; `features()` returns the concatenated selected layer outputs."""
 
-    def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, layers: list[int] | None = None):
+    def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, layers: list[int] | None = None,
+                 run_all_layers: bool = False):
+        """`run_all_layers` keeps the whole decoder running in `features` (only to time the difference)."""
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.config = model.config
@@ -92,6 +100,7 @@ class Target:
         self.mask_token_id = mask_token_id(tokenizer, rows) if tokenizer is not None else None
         self._decoder_layers = model.get_decoder().layers
         self._captured: dict[int, torch.Tensor] | None = None  # a dict only while features() runs
+        self._stop_after = None if run_all_layers else max(self.layers)
         for index in self.layers:
             self._decoder_layers[index].register_forward_hook(self._capture_hook(index))
 
@@ -113,7 +122,14 @@ class Target:
         def hook(module, args, output):
             if self._captured is not None:
                 self._captured[index] = output[0] if isinstance(output, tuple) else output
+                if index == self._stop_after:
+                    raise _FeaturesReady
         return hook
+
+    @property
+    def layers_run(self) -> int:
+        """Decoder layers a `features` call computes."""
+        return self.config.num_hidden_layers if self._stop_after is None else self._stop_after + 1
 
     @property
     def device(self) -> torch.device:
@@ -133,8 +149,11 @@ class Target:
         lets a real position see a later pad."""
         self._captured = {}
         try:
-            self.model.get_decoder()(input_ids=input_ids.to(self.device), attention_mask=attention_mask,
-                                     use_cache=False)
+            try:
+                self.model.get_decoder()(input_ids=input_ids.to(self.device), attention_mask=attention_mask,
+                                         use_cache=False)
+            except _FeaturesReady:
+                pass
             return torch.cat([self._captured[index] for index in self.layers], dim=-1)
         finally:
             self._captured = None

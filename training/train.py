@@ -22,19 +22,23 @@ alone turns how the run ended into the exit code, one of TrainExit:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
+import gc
 import itertools
 import math
 import os
 import platform
 import re
+import resource
 import shutil
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 
@@ -44,6 +48,7 @@ from training.attention import FlexAttention, resolve_backend
 from training.checkpoint import (
     CheckpointWriteError,
     check_checkpoint,
+    checkpoint_train_config,
     checkpoints_dir,
     latest_checkpoint,
     load_checkpoint,
@@ -51,13 +56,26 @@ from training.checkpoint import (
 )
 from training.compile import AttentionShape, SharedFlexAttention, projected_qkv
 from training.config import ConfigError, TrainConfig, load_config, parse_devices
-from training.data import Batch, BatchStream, DataError, eval_prompts
+from training.data import Batch, BatchStream, DataError, eval_prompts, prepare_sequences
 from training.evaluate import acceptance_length, build_eval_set
 from training.export import export_run
+from training.flops import drafter_flops, target_flops
+from training.layout import (
+    Choice,
+    Layout,
+    StageProfile,
+    choose_layout,
+    explicit_layout,
+    layout_from_topology,
+    measure_stages,
+)
+from training.loss import block_targets
 from training.mask import build_block_mask
 from training.metrics import MetricsLog, announce_output_dir, metrics_path, say, warn
 from training.model import Drafter, DrafterConfig
 from training.pipeline import Pipeline, PipelineConfig, PipelineError, RunResult, StepReport, Utilisation
+from training.random_world import NUM_CONVERSATIONS as NUM_RANDOM_CONVERSATIONS
+from training.random_world import random_target, synthetic_conversations
 from training.step import compute_dtype, drafter_stage
 from training.target import Target
 from training.tokenized import load_training_data
@@ -98,33 +116,65 @@ class StopRequest:
         return None if self.signal is None else signal.Signals(self.signal).name
 
 
-def cosine_schedule(optimizer: torch.optim.Optimizer, max_steps: int, warmup_ratio: float):
-    """Linear warmup over ceil(warmup_ratio * max_steps) steps, then cosine decay to 0."""
-    warmup = math.ceil(warmup_ratio * max_steps)
+class CosineSchedule:
+    """The learning-rate factor of step k (0-based): linear warm-up over ceil(warmup_ratio * max_steps) steps,
+    then cosine decay to 0 at max_steps.
 
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, max_steps - warmup)
+    A run resumed with another max_steps continues from its checkpoint (`continue_to`): from the rate of the
+    checkpoint's last step, a cosine down to 0 at the new end, so the rate never jumps and never reaches 0
+    before the last step. Its fields are plain numbers, which LambdaLR's state_dict saves: a checkpoint holds
+    the schedule it ran, and resuming it with the same max_steps continues exactly."""
+
+    def __init__(self, max_steps: int, warmup_ratio: float):
+        self.plan(max_steps, warmup_ratio)
+
+    def plan(self, max_steps: int, warmup_ratio: float) -> None:
+        self.base_max_steps = self.max_steps = max_steps
+        self.warmup = math.ceil(warmup_ratio * max_steps)
+        self.continued_from: int | None = None  # the first step of a continuation
+        self.continued_factor = 1.0  # the factor of the step before it
+
+    def __call__(self, step: int) -> float:
+        if self.continued_from is not None and step >= self.continued_from:
+            progress = (step - self.continued_from + 1) / (self.max_steps - self.continued_from + 1)
+            return self.continued_factor * 0.5 * (1.0 + math.cos(math.pi * progress))
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        progress = (step - self.warmup) / max(1, self.base_max_steps - self.warmup)
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    def continue_to(self, step: int, max_steps: int) -> None:
+        """From `step` on, decay from the factor of step - 1 to 0 at `max_steps`."""
+        self.continued_factor = self(step - 1)
+        self.continued_from = step
+        self.max_steps = max_steps
 
 
-def pick_devices(config: TrainConfig) -> tuple[list[torch.device], list[torch.device], str]:
-    """Target and drafter devices (a thread each) and the attention backend, checked against this machine."""
-    target_devices = [torch.device(d) for d in parse_devices(config.target_devices, "target_devices")]
-    drafter_devices = [torch.device(d) for d in parse_devices(config.drafter_devices, "drafter_devices")]
-    for device in target_devices + drafter_devices:
+def cosine_schedule(optimizer: torch.optim.Optimizer, max_steps: int, warmup_ratio: float):
+    """LambdaLR over a CosineSchedule (which the scheduler's state_dict saves and restores)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, CosineSchedule(max_steps, warmup_ratio))
+
+
+def pick_layout(config: TrainConfig) -> tuple[Layout | None, list[torch.device], str]:
+    """The layout (None for topology "auto", which a trial decides), the devices it may use, and the
+    attention backend, checked against this machine."""
+    layout = explicit_layout(config.target_devices, config.drafter_devices, config.colocated_devices)
+    if layout is None and config.topology != "auto":
+        layout = layout_from_topology(config.topology, parse_devices(config.devices, "devices"))
+    names = list(layout.devices) if layout is not None else parse_devices(config.devices, "devices")
+    devices = [torch.device(name) for name in names]
+    for device in devices:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"{device} requested but CUDA is not available")
         if device.type == "cuda" and device.index >= torch.cuda.device_count():
             raise ConfigError(f"{device} requested but only {torch.cuda.device_count()} GPU(s) are visible")
-    backend = resolve_backend(config.attention, drafter_devices[0])
-    if backend == "flex" and any(device.type != "cuda" for device in drafter_devices):
+    # Auto may put a drafter replica on any of its devices.
+    replica_devices = [torch.device(d) for d in layout.replica_devices] if layout is not None else devices
+    backend = resolve_backend(config.attention, replica_devices[0])
+    if backend == "flex" and any(device.type != "cuda" for device in replica_devices):
         raise ConfigError("attention=flex needs a CUDA device for every drafter (torch refuses "
                           "flex_attention's backward on the CPU); use sdpa or auto")
-    return target_devices, drafter_devices, backend
+    return layout, devices, backend
 
 
 class TargetReplica:
@@ -151,8 +201,9 @@ class DrafterReplica:
         self.device = self.params[0].device
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=(0.9, 0.95),
                                            weight_decay=config.weight_decay, fused=self.device.type == "cuda")
-        self.scheduler = cosine_schedule(self.optimizer, config.max_steps, config.warmup_ratio)
-        self.last_lr = self.scheduler.get_last_lr()[0]  # the rate of the latest step
+        self.schedule = CosineSchedule(config.max_steps, config.warmup_ratio)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule)
+        self.last_lr = self.optimizer.param_groups[0]["lr"]  # the rate of the latest step
 
     def trainable_parameters(self) -> list[torch.Tensor]:
         return self.params
@@ -167,9 +218,16 @@ class DrafterReplica:
         return loss, {"accuracy": output.accuracy}
 
     def optimizer_step(self) -> None:
-        self.last_lr = self.scheduler.get_last_lr()[0]
+        self.last_lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
+
+    def continue_schedule(self, step: int, max_steps: int) -> None:
+        """A resumed run with another max_steps: the rest of the schedule decays from the checkpoint's last
+        rate to 0 at max_steps (CosineSchedule), starting with the next step's rate."""
+        self.schedule.continue_to(step, max_steps)
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+            group["lr"] = base * self.schedule(step)
 
     def warm_up(self) -> None:
         """Compile the shared flex_attention for every length bucket on this device (then meet the others)."""
@@ -187,15 +245,15 @@ class DrafterReplica:
 
 
 def shared_flex_attention(config: TrainConfig, drafter_config: DrafterConfig, devices: list[torch.device],
-                          dtype: torch.dtype) -> SharedFlexAttention:
-    """The run's one compiled flex_attention: drafter devices x length buckets, training mode (ARCHITECTURE §6)."""
+                          dtype: torch.dtype, threads: int | None) -> SharedFlexAttention:
+    """The run's one compiled flex_attention: every device a drafter replica may use x length buckets,
+    training mode (ARCHITECTURE §6). `threads`: how many replica threads warm it up (None: decided later)."""
     q_len = config.num_anchors * config.block_size
     c = drafter_config
     rows = config.micro_batch_rows()
     shapes = [AttentionShape(rows, c.num_heads, c.num_kv_heads, q_len, bucket + q_len, c.head_dim)
               for bucket in config.buckets()]
-    return SharedFlexAttention(shapes=shapes, devices=devices, threads=len(devices), dtype=dtype,
-                               grad_modes=(True,))
+    return SharedFlexAttention(shapes=shapes, devices=devices, threads=threads, dtype=dtype, grad_modes=(True,))
 
 
 @dataclasses.dataclass
@@ -205,16 +263,20 @@ class NanLossBatch(Batch):
 
 class StepBatches:
     """The pipeline's micro-batches, `per_step` to a step, read from the stream in order. Remembers each
-    step's token count and the stream's state before it: targets read ahead, so a checkpoint after step s
-    needs the state from before step s + 1's first micro-batch, not the stream's current one. The micro-batches
-    of `nan_steps` (numbered as logged, from 1) come as NanLossBatch."""
+    step's token count, its counted FLOPs (`flops_of`, training/flops.py) and the stream's state before it:
+    targets read ahead, so a checkpoint after step s needs the state from before step s + 1's first
+    micro-batch, not the stream's current one. The micro-batches of `nan_steps` (numbered as logged, from 1)
+    come as NanLossBatch."""
 
-    def __init__(self, stream: BatchStream, per_step: int, start_step: int, nan_steps: Iterable[int] = ()):
+    def __init__(self, stream: BatchStream, per_step: int, start_step: int,
+                 flops_of: Callable[[Batch], float] | None = None, nan_steps: Iterable[int] = ()):
         self.stream, self.per_step, self.start_step = stream, per_step, start_step
+        self.flops_of = flops_of
         self.nan_steps = set(nan_steps)
         self._lock = threading.Lock()  # the target threads read, the checkpointing thread asks for states
         self._state_before: dict[int, dict] = {}
         self._tokens: dict[int, int] = {}
+        self._flops: dict[int, float] = {}
 
     def __iter__(self):
         for step in itertools.count(self.start_step):
@@ -224,6 +286,9 @@ class StepBatches:
                         self._state_before[step] = self.stream.state_dict()
                     batch = next(self.stream)
                     self._tokens[step] = self._tokens.get(step, 0) + batch.num_tokens
+                flops = self.flops_of(batch) if self.flops_of is not None else 0.0
+                with self._lock:
+                    self._flops[step] = self._flops.get(step, 0.0) + flops
                 yield NanLossBatch(**vars(batch)) if step + 1 in self.nan_steps else batch
 
     def state_before(self, step: int) -> dict:
@@ -234,9 +299,25 @@ class StepBatches:
             # No micro-batch of `step` read yet: the stream stands right there.
             return self._state_before.get(step) or self.stream.state_dict()
 
-    def pop_tokens(self, step: int) -> int:
+    def pop_tokens(self, step: int) -> tuple[int, float]:
+        """The step's real tokens and counted FLOPs."""
         with self._lock:
-            return self._tokens.pop(step, 0)
+            return self._tokens.pop(step, 0), self._flops.pop(step, 0.0)
+
+
+def step_flops(config: TrainConfig, target: Target, drafter_config: DrafterConfig) -> Callable[[Batch], float]:
+    """Counted FLOPs of one micro-batch (training/flops.py): the target forward over its padded length, up to
+    the last feature layer, and the drafter's forward + backward."""
+
+    def flops_of(batch: Batch) -> float:
+        rows, length = batch.input_ids.shape
+        _, weights = block_targets(batch.input_ids, batch.loss_mask, batch.anchors, batch.block_valid,
+                                   config.block_size, config.gamma)
+        drafter = drafter_flops(drafter_config, rows, length, batch.anchors, batch.block_valid,
+                                int((weights > 0).sum()))
+        return target_flops(target.config, rows, length, target.layers_run) + sum(drafter.values())
+
+    return flops_of
 
 
 def prepare_output_dir(config: TrainConfig, resume: bool) -> None:
@@ -253,7 +334,11 @@ def prepare_output_dir(config: TrainConfig, resume: bool) -> None:
 
 
 def load_targets(config: TrainConfig, devices: list[torch.device], dtype: torch.dtype) -> list[Target]:
-    """The frozen target, one replica per target thread, loaded one at a time in this thread."""
+    """The frozen target, one replica per device given, loaded (or, with random_target, built) one at a time
+    in this thread."""
+    if config.random_target:
+        return [random_target(config.random_target, device, dtype, config.target_layers or None, config.seed)
+                for device in devices]
     if config.build_tiny:
         from training.tiny import ensure_tiny
 
@@ -265,10 +350,19 @@ def load_targets(config: TrainConfig, devices: list[torch.device], dtype: torch.
 
 def load_data(config: TrainConfig, tokenizer) -> tuple[BatchStream, list[list[dict]]]:
     """The training micro-batches, and the held-out conversations evaluation drafts on (eval_data_path, else
-    the tail of the training data). Bad lines stop the run, or with skip_bad_data are skipped; they and the
-    conversations the recipe drops (under 2 x block_size loss tokens) are counted in one line."""
-    data = load_training_data(tokenizer, config, log=say)  # tokenised once, then read from its cache
-    sequences, held_out = data.sequences, data.held_out
+    the tail of the training data, through the tokenized cache; with random_target, synthetic conversations
+    that fill max_length, tokenized here). Bad lines stop the run, or with skip_bad_data are skipped; they and
+    the conversations the recipe drops (under 2 x block_size loss tokens) are counted in one line."""
+    if config.random_target:
+        conversations = synthetic_conversations(NUM_RANDOM_CONVERSATIONS + config.eval_prompts, config.max_length,
+                                                config.seed)
+        cut = len(conversations) - config.eval_prompts
+        sequences = prepare_sequences(tokenizer, conversations[:cut], config.max_length, config.block_size,
+                                      {"enable_thinking": config.enable_thinking})
+        held_out = conversations[cut:]
+    else:
+        data = load_training_data(tokenizer, config, log=say)  # tokenised once, then read from its cache
+        sequences, held_out = data.sequences, data.held_out
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     stream = BatchStream(sequences, config.micro_batch_rows(), config.buckets(), config.block_size,
                          config.num_anchors, pad_id, config.seed)
@@ -290,34 +384,64 @@ def build_drafters(config: TrainConfig, target: Target, devices: list[torch.devi
 
 def restore_latest_checkpoint(config: TrainConfig, replicas: list[DrafterReplica], stream: BatchStream) -> int:
     """The step to go on from: the latest checkpoint's, loaded into every replica and the data stream; 0
-    when there is none."""
+    when there is none. With another max_steps than the checkpoint's, the learning rate continues from the
+    checkpoint's to 0 at the new end (CosineSchedule)."""
     checkpoint = latest_checkpoint(config.output_dir)
     if checkpoint is None:
         say(f"no checkpoint in {checkpoints_dir(config.output_dir)}: starting at step 0")
         return 0
+    trained = checkpoint_train_config(checkpoint)
     for replica in replicas:
+        # The checkpoint's own schedule (from its config; its scheduler state, when it has one, restores it
+        # exactly, continuations included).
+        replica.schedule.plan(trained.get("max_steps", config.max_steps),
+                              trained.get("warmup_ratio", config.warmup_ratio))
         restored = load_checkpoint(checkpoint, replica.drafter, replica.optimizer, replica.scheduler)
+        ended = replica.schedule.max_steps
+        rescheduled = ended != config.max_steps and config.max_steps > restored["step"]
+        if rescheduled:
+            replica.continue_schedule(restored["step"], config.max_steps)
     stream.load_state_dict(restored["data"])
     say(f"resumed from {checkpoint} at step {restored['step']}")
+    if rescheduled:
+        leader = replicas[0]
+        say(f"max_steps {ended} -> {config.max_steps}: the learning rate decays from "
+            f"{leader.optimizer.param_groups[0]['lr']:.3e} at step {restored['step'] + 1} to 0 at step "
+            f"{config.max_steps}")
     return restored["step"]
 
 
+def peak_memory_gib(devices: list[torch.device]) -> dict[str, float]:
+    """Peak memory so far per device: allocated by torch on each GPU; the process's peak RSS for the CPU."""
+    peaks = {}
+    for device in dict.fromkeys(devices):
+        if device.type == "cuda":
+            peaks[str(device)] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+        else:
+            peaks[str(device)] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
+    return peaks
+
+
 class StepLog:
-    """The run's numbers. Built once; `start` before the first step, `after_step` after every step (in the
-    leader drafter thread): loss, accuracy and tokens add up over a window (loss and accuracy over the steps
-    that updated; skipped ones are counted), and every `log_every`-th step (and the last) writes one metrics
-    record, the JSON line and the progress line; every `eval_every`-th step (and the last) adds the acceptance
-    length τ on the held-out prompts."""
+    """The run's numbers. Built once; `start` before the first step, `steady` when the pipeline's threads have
+    warmed up, `after_step` after every step (in the leader drafter thread): loss, accuracy, tokens and
+    counted FLOPs add up over a window (loss and accuracy over the steps that updated; skipped ones are
+    counted), and every `log_every`-th step (and the last) writes one metrics record, the JSON line and the
+    progress line, with the layout and each device's peak memory; every `eval_every`-th step (and the last)
+    adds the acceptance length τ on the held-out prompts."""
 
     def __init__(self, config: TrainConfig, leader: DrafterReplica, batches: StepBatches, target: Target,
-                 held_out: list[list[dict]]):
+                 held_out: list[list[dict]], layout: Layout, devices: list[torch.device],
+                 choice: Choice | None = None):
         self.config, self.leader, self.batches = config, leader, batches
+        self.layout, self.devices, self.choice = layout, devices, choice
         self.metrics = MetricsLog(metrics_path(config.output_dir), config.max_steps)
         self.evalset = None
         if config.eval_every and held_out:
             prompts = eval_prompts(target.tokenizer, held_out, {"enable_thinking": config.enable_thinking})
             self.evalset = build_eval_set(target, prompts, config.eval_new_tokens, leader.device)
         self.skipped_total = 0  # steps skipped for a non-finite loss or gradient, since this process started
+        self._records = 0
         self._open_window()
 
     def start(self, step: int) -> None:
@@ -325,6 +449,10 @@ class StepLog:
         if step == 0 and self.evalset is not None:
             self.metrics.write(0, acceptance_length=self.evaluate())
         self._open_window()
+
+    def steady(self) -> None:
+        """Every thread has compiled and warmed up: time from here (the first window leaves warm-up out)."""
+        self._start = time.time()
 
     def after_step(self, report: StepReport, utilisation: Callable[[], Utilisation]) -> None:
         """Count step `report.step`; `utilisation` (the pipeline's, since its previous call) is asked once a
@@ -337,7 +465,9 @@ class StepLog:
         else:
             self._skipped += 1
             self.skipped_total += 1
-        self._tokens += self.batches.pop_tokens(done - 1)
+        tokens, flops = self.batches.pop_tokens(done - 1)
+        self._tokens += tokens
+        self._flops += flops
         record = {}
         if done % self.config.log_every == 0 or last:
             record = self._close_window(report, utilisation())
@@ -350,18 +480,32 @@ class StepLog:
         return acceptance_length(self.leader.drafter, self.evalset, self.leader.dtype)
 
     def _open_window(self) -> None:
-        self._loss, self._accuracy, self._steps, self._skipped, self._tokens = 0.0, 0.0, 0, 0, 0
+        self._loss, self._accuracy, self._steps, self._skipped = 0.0, 0.0, 0, 0
+        self._tokens, self._flops = 0, 0.0
         self._start = time.time()
 
     def _close_window(self, report: StepReport, utilisation: Utilisation) -> dict:
-        elapsed = time.time() - self._start
-        record = {"lr": self.leader.last_lr, "tokens_per_s": self._tokens / max(elapsed, 1e-9),
+        elapsed = max(time.time() - self._start, 1e-9)
+        tokens_per_s = self._tokens / elapsed
+        record = {"lr": self.leader.last_lr, "tokens_per_s": tokens_per_s,
+                  "tflops_per_s": round(self._flops / elapsed / 1e12, 3),
                   "skipped_steps": self._skipped, "skipped_steps_total": self.skipped_total,
-                  **utilisation.as_metrics()}
+                  **utilisation.as_metrics(), "layout": self.layout.name,
+                  "peak_memory_gib": peak_memory_gib(self.devices)}
         if self._steps:  # a window of skipped steps only has no loss (JSON has no NaN)
             record.update(loss=self._loss / self._steps, accuracy=self._accuracy / self._steps)
         if report.skipped is None:
             record["grad_norm"] = report.grad_norm
+        if self.choice is not None:
+            record["predicted_tokens_per_s"] = round(self.choice.chosen.tokens_per_s, 1)
+        if self._records == 0:  # the whole layout once, and auto's measurements and candidates
+            record["layout_detail"] = self.layout.as_dict()
+            if self.choice is not None:
+                record["layout_auto"] = self.choice.as_dict()
+        elif self._records == 1 and self.choice is not None:  # the first window without the pipeline's fill
+            say(f"layout auto: {self.layout.name}: measured {tokens_per_s:.0f} tokens/s, predicted "
+                f"{self.choice.chosen.tokens_per_s:.0f}")
+        self._records += 1
         self._open_window()
         return record
 
@@ -434,51 +578,167 @@ def say_compile_counters(attention: SharedFlexAttention) -> None:
         f"warm-up, FX tracing flag {stats.fx_tracing_flag}")
 
 
+TRIAL_BATCHES = 4  # micro-batches the layout trial times each stage on (the first is warm-up)
+
+
+def layout_trial(config: TrainConfig, devices: list[torch.device], target: Target, replica: DrafterReplica,
+                 stream: BatchStream, shared_flex: SharedFlexAttention | None) -> Choice:
+    """topology "auto": time a target forward and a drafter step (forward + backward, no optimizer step, so
+    the weights stay as built) on the run's first micro-batches, on the first device, measure their memory,
+    and choose the layout (training/layout.py). The data stream is not advanced; the compiled attention is
+    warmed and called within its discipline (SharedFlexAttention.trial)."""
+    device = replica.device
+    probe = BatchStream(stream.sequences, config.micro_batch_rows(), config.buckets(), config.block_size,
+                        config.num_anchors, stream.pad_id, config.seed)
+    probe.load_state_dict(stream.state_dict())
+    batches = [next(probe).to(device) for _ in range(TRIAL_BATCHES)]
+
+    def drafter_step(features: torch.Tensor, batch: Batch) -> None:
+        loss, _ = replica.loss(features, batch)
+        loss.backward()
+        for param in replica.params:
+            param.grad = None
+
+    compiled = (shared_flex.trial(device, replica._warm_up_mask, projected_qkv) if shared_flex is not None
+                else contextlib.nullcontext())
+    with compiled:
+        measured = measure_stages(device, batches, config.micro_batch_rows(),
+                                  lambda batch: target.features(batch.input_ids), drafter_step)
+
+    def nbytes(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    rows = config.micro_batch_rows()
+    profile = StageProfile(
+        target_s=measured["target_s"], drafter_s=measured["drafter_s"], rows=rows,
+        tokens_per_sequence=sum(b.num_tokens for b in batches) / (len(batches) * rows),
+        target_static=nbytes([*target.model.parameters(), *target.model.buffers()]),
+        target_peak=int(measured["target_peak"]),
+        # fp32 weights and AdamW's two fp32 moments (the gradients are in the measured peak), frozen tables.
+        drafter_static=nbytes(replica.drafter.buffers()) + sum(p.numel() * (p.element_size() + 8)
+                                                               for p in replica.params),
+        drafter_peak=int(measured["drafter_peak"]), features=int(measured["features"]),
+        device_memory={str(d): torch.cuda.get_device_properties(d).total_memory for d in devices
+                       if d.type == "cuda"},
+    )
+    for gpu in {d for d in devices if d.type == "cuda"}:
+        torch.cuda.reset_peak_memory_stats(gpu)  # the run's peaks, not the trial's
+    return choose_layout([str(d) for d in devices], profile, config.micro_batches_per_step(), config.queue_depth)
+
+
+@dataclass
+class World:
+    """What a run trains with: its layout and the replicas on it."""
+
+    layout: Layout
+    devices: list[torch.device]  # every device the layout uses
+    targets: list[Target]  # one per layout.target_replica_devices entry
+    replicas: list[DrafterReplica]  # one per layout.replica_devices entry; replica 0 leads
+    stream: BatchStream
+    held_out: list[list[dict]]
+    shared_flex: SharedFlexAttention | None
+    choice: Choice | None  # topology "auto": what it measured and why it chose the layout
+
+
+def build_world(config: TrainConfig, layout: Layout | None, devices: list[torch.device], backend: str,
+                dtype: torch.dtype) -> World:
+    """Targets, data and drafter replicas for `layout`; for topology "auto" (layout None), one of each on the
+    first device, the trial, then the rest of the chosen layout (the trial's replicas reused where it puts the
+    same role on that device)."""
+    place = (lambda names: [torch.device(n) for n in names])
+    first = [devices[0]]
+    targets = load_targets(config, place(layout.target_replica_devices) if layout else first, dtype)
+    stream, held_out = load_data(config, targets[0].tokenizer)
+    replica_devices = place(layout.replica_devices) if layout else first
+    drafters = build_drafters(config, targets[0], replica_devices)
+    shared_flex = None
+    if backend == "flex":
+        shared_flex = shared_flex_attention(config, drafters[0].config, replica_devices if layout else devices,
+                                            dtype, threads=len(replica_devices) if layout else None)
+    replicas = [DrafterReplica(d, config, backend, dtype, shared_flex) for d in drafters]
+    if layout is not None:
+        return World(layout, place(layout.devices), targets, replicas, stream, held_out, shared_flex, None)
+
+    choice = layout_trial(config, devices, targets[0], replicas[0], stream, shared_flex)
+    layout = choice.chosen.layout
+    trial_target, trial_replica, trial_device = targets[0], replicas[0], str(devices[0])
+    targets, replicas = [], []
+    for name in layout.target_replica_devices:
+        reuse = name == trial_device and trial_target not in targets
+        targets += [trial_target] if reuse else load_targets(config, [torch.device(name)], dtype)
+    for name in layout.replica_devices:
+        reuse = name == trial_device and trial_replica not in replicas
+        drafter = trial_replica.drafter if reuse else copy.deepcopy(trial_replica.drafter).to(torch.device(name))
+        replicas.append(trial_replica if reuse else DrafterReplica(drafter, config, backend, dtype, shared_flex))
+    del trial_target, trial_replica
+    gc.collect()
+    if devices[0].type == "cuda":
+        torch.cuda.empty_cache()  # a trial replica the layout does not keep
+    if shared_flex is not None:
+        shared_flex.expect_threads(len(replicas))
+    return World(layout, place(layout.devices), targets, replicas, stream, held_out, shared_flex, choice)
+
+
+def build_pipeline(config: TrainConfig, world: World, batches: StepBatches, step: int,
+                   on_step: Callable[[StepReport], None], on_steady: Callable[[], None]) -> Pipeline:
+    """The pipeline over the world's layout: its target, drafter and colocated entries, in the layout's order."""
+    layout, n_targets, n_drafters = world.layout, len(world.layout.targets), len(world.layout.drafters)
+    config_ = PipelineConfig(
+        target_devices=[torch.device(d) for d in layout.targets],
+        drafter_devices=[torch.device(d) for d in layout.drafters],
+        colocated_devices=[torch.device(d) for d in layout.colocated],
+        micro_batches_per_step=config.micro_batches_per_step(), queue_depth=config.queue_depth,
+        grad_clip=config.grad_clip,
+    )
+    colocated = list(zip([TargetReplica(t) for t in world.targets[n_targets:]], world.replicas[n_drafters:]))
+    return Pipeline(config_, [TargetReplica(t) for t in world.targets[:n_targets]], world.replicas[:n_drafters],
+                    batches, start_step=step, max_steps=config.max_steps, on_step=on_step, colocated=colocated,
+                    on_steady=on_steady)
+
+
 def train(config: TrainConfig, resume: bool = False, stop: StopRequest | None = None) -> RunResult:
     """Train to config.max_steps, or until `stop` asks; returns the steps done and whether it stopped early."""
     stop = stop or StopRequest()  # never entered: no signal handling when called as a library
 
-    # The world: devices, the frozen target (a replica per target thread) and its data, the drafter replicas.
-    target_devices, drafter_devices, backend = pick_devices(config)
-    dtype = compute_dtype(config.dtype, drafter_devices[0])
+    # The world: the layout (with topology "auto", measured and chosen here), the frozen target (a replica
+    # per target entry), its data, the drafter replicas.
+    layout, devices, backend = pick_layout(config)
+    dtype = compute_dtype(config.dtype, torch.device(layout.replica_devices[0]) if layout else devices[0])
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     prepare_output_dir(config, resume)
-    targets = load_targets(config, target_devices, dtype)
-    stream, held_out = load_data(config, targets[0].tokenizer)
-    say(f"target {config.target_path} on {', '.join(map(str, target_devices))} (layers {targets[0].layers}); "
-        f"{len(stream.sequences)} training sequences; attention {backend}, {dtype}")
-    drafters = build_drafters(config, targets[0], drafter_devices)
-    shared_flex = None
-    if backend == "flex":
-        shared_flex = shared_flex_attention(config, drafters[0].config, drafter_devices, dtype)
-    replicas = [DrafterReplica(d, config, backend, dtype, shared_flex) for d in drafters]
-    say(f"drafter: {config.num_draft_layers} layers, {drafters[0].num_trainable() / 1e6:.2f} M trainable "
-        f"parameters, replicas on {', '.join(map(str, drafter_devices))}; a step is "
-        f"{config.micro_batches_per_step()} micro-batches of {config.micro_batch_rows()} sequences")
+    world = build_world(config, layout, devices, backend, dtype)
+    target, leader = world.targets[0], world.replicas[0]
+    say(f"target {config.random_target or config.target_path} (layers {target.layers}, {target.layers_run} of "
+        f"{target.config.num_hidden_layers} run); {len(world.stream.sequences)} training sequences; attention "
+        f"{backend}, {dtype}")
+    say(world.choice.summary() if world.choice is not None else f"layout {world.layout.describe()}")
+    say(f"drafter: {config.num_draft_layers} layers, {leader.drafter.num_trainable() / 1e6:.2f} M trainable "
+        f"parameters, {len(world.replicas)} replica(s); a step is {config.micro_batches_per_step()} "
+        f"micro-batches of {config.micro_batch_rows()} sequences")
+    if config.micro_batches_per_step() < len(world.replicas):
+        say(f"note: {len(world.replicas)} replicas share {config.micro_batches_per_step()} micro-batch(es) a step: "
+            "some idle every step; raise batch_size to use them")
 
     # Resume.
-    step = restore_latest_checkpoint(config, replicas, stream) if resume else 0
+    step = restore_latest_checkpoint(config, world.replicas, world.stream) if resume else 0
 
     # Built once, called after every step, closed at the end.
-    batches = StepBatches(stream, config.micro_batches_per_step(), step, config.debug_nan_steps)
-    step_log = StepLog(config, replicas[0], batches, targets[0], held_out)
+    batches = StepBatches(world.stream, config.micro_batches_per_step(), step,
+                          step_flops(config, target, leader.drafter.config), nan_steps=config.debug_nan_steps)
+    step_log = StepLog(config, leader, batches, target, world.held_out, world.layout, world.devices, world.choice)
     step_log.start(step)
     bad_steps = BadStepGuard(config.max_bad_steps)
-    checkpoints = CheckpointPolicy(config, replicas[0], batches, step)
+    checkpoints = CheckpointPolicy(config, leader, batches, step)
 
-    # The loop: the pipeline's threads run the steps; after each one the leader drafter thread calls this.
+    # The loop: the pipeline's threads run the steps; after each one the leader replica's thread calls this.
     def after_step(report: StepReport) -> None:
         step_log.after_step(report, pipeline.utilisation)
         bad_steps.after_step(report)
         checkpoints.after_step(report.step)
 
-    pipeline = Pipeline(
-        PipelineConfig(target_devices, drafter_devices, config.micro_batches_per_step(), config.queue_depth,
-                       config.grad_clip),
-        [TargetReplica(t) for t in targets], replicas, batches, start_step=step, max_steps=config.max_steps,
-        on_step=after_step,
-    )
+    pipeline = build_pipeline(config, world, batches, step, after_step, step_log.steady)
+    shared_flex = world.shared_flex
     try:
         if stop.requested:  # a signal while loading: nothing trained, nothing to save
             say(f"{stop.reason()}: stopped at step {step} before training")

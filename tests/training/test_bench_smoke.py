@@ -38,7 +38,7 @@ def test_drafter_bench_runs_on_the_cpu_and_reports_every_figure(tmp_path):
     assert "MFU f+b" in result.stdout and "target forward" in result.stdout
     report = json.loads(out.read_text())
     names = [row["variant"] for row in report["variants"]]
-    assert names == ["new", "old", "old-loss", "old-norm", "old-qkv", "old-rope", "new chunk=100000"]
+    assert names == ["new", "old", "old-loss", "old-norm", "old-qkv", "old-rope", "old-mask", "new chunk=100000"]
     for row in report["variants"]:
         assert 0 < row["fwd_bwd_ms"] <= row["step_ms"] and 0 < row["mfu_step"] < math.inf, row
         # In float32 the old and the new code compute the same loss and gradients.
@@ -49,6 +49,9 @@ def test_drafter_bench_runs_on_the_cpu_and_reports_every_figure(tmp_path):
     assert profile["categories_ms_per_step"] and profile["top_kernels"]
     assert math.isclose(sum(profile["categories_ms_per_step"].values()), profile["busy_ms_per_step"], rel_tol=1e-6)
     assert report["target"]["forward_ms"] > 0 and report["target"]["flops"] > 0
+    before, after = report["target_all_layers"], report["target"]
+    assert (before["layers_run"], after["layers_run"]) == (8, 6)  # SMALL: 8 layers, features up to layer 5
+    assert after["flops"] == pytest.approx(before["flops"] * 6 / 8)
 
 
 @pytest.mark.parametrize("argv", [["--small", "--device", "cpu", "--variants", "new,fast"],
@@ -115,6 +118,28 @@ def test_profile_categories(name, parents, category):
     assert drafter_bench.kernel_category(name, parents) == category
 
 
+def test_named_ranges_on_the_device_timeline_are_not_kernels():
+    """--profile: a record_function range also shows on the GPU's timeline; counting it would add its whole
+    span to "other" (or, for the optimizer's range, to the optimizer a second time)."""
+    from types import SimpleNamespace
+
+    def event(name, device, us, annotation=False, kernels=()):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(elapsed_us=lambda: us),
+                               kernels=list(kernels), cpu_parent=None, is_user_annotation=annotation,
+                               self_cpu_time_total=us)
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    kernel = SimpleNamespace(name="void at::native::multi_tensor_apply_kernel<...>", duration=10.0)
+    events = [
+        event(drafter_bench.OPTIMIZER_RANGE, cpu, 30.0, annotation=True, kernels=[kernel]),
+        event("void at::native::multi_tensor_apply_kernel<...>", cuda, 10.0),
+        event(drafter_bench.OPTIMIZER_RANGE, cuda, 25.0, annotation=True),  # the range's GPU span
+        event(drafter_bench.FORWARD_RANGE, cuda, 70.0),  # a torch that does not flag annotations
+    ]
+    summary = drafter_bench.summarise_profile(events, cuda=True, wall_ms=1.0, steps=1)
+    assert summary["categories_ms_per_step"] == {"optimizer (clip + AdamW)": 0.01}
+
+
 def test_serve_bench_runs_on_the_cpu_and_the_served_drafter_proposes_what_the_trainer_does(tmp_path):
     """bench/serve_bench.py (the exported drafter in the reference's loop at the 8B shape) in its toy form."""
     out = tmp_path / "serve.json"
@@ -126,3 +151,16 @@ def test_serve_bench_runs_on_the_cpu_and_the_served_drafter_proposes_what_the_tr
     assert report["proposal_agreement"] == 1.0  # float32: the served drafter is the trainer's
     assert report["draft_ms_per_block"] > 0 and report["loop_ms_per_token"] > 0 and report["output_tokens"] == 16
     assert "draft one block" in result.stdout
+
+
+@pytest.mark.e2e
+def test_layout_runs_drives_the_trainer_in_its_smoke_form(tmp_path):
+    """bench/layout_runs.py (the H200 measurement of issue 12) on the CPU: the trainer in two layouts."""
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "layout_runs.py"), "--smoke", "--skip-stages",
+                             "--layouts", "colocated,auto", "--steps", "2", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [r["layout"] for r in summary["runs"]] == ["colocated", "auto"]
+    assert all(r["steps"] == 2 and r["tokens_per_s"] > 0 for r in summary["runs"])
+    assert summary["runs"][1]["predicted_tokens_per_s"] > 0 and "auto's trial" in result.stdout

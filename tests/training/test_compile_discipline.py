@@ -175,6 +175,40 @@ def make_attention(threads: int, **overrides) -> SharedFlexAttention:
     return SharedFlexAttention(**{**options, **overrides})
 
 
+def test_a_trial_before_the_threads_warms_its_keys_and_nothing_compiles_after_the_barrier():
+    """The trainer's layout trial: the main thread warms and calls its device's keys before the threads exist
+    (their number is decided by the trial); the threads' warm-up then finds them compiled."""
+    threads, steps = 2, 6
+    attention = make_attention(None, audit_steady_state=True)
+    generator = torch.Generator().manual_seed(0)
+    with attention.trial("cpu", warmup_block_mask, qkv_for=projected_qkv):
+        for step in range(steps):
+            steady_step(attention, SHAPES[step % len(SHAPES)], grad=step % 2 == 0, generator=generator)
+    with pytest.raises(CompileDisciplineError, match="before every thread finished warm_up"):
+        steady_step(attention, SHAPES[0], grad=False, generator=generator)  # the trial is over
+    entries_after_trial = cache_entries(flex_attention_cpu_backward)
+    assert entries_after_trial == 12
+    with pytest.raises(CompileDisciplineError, match="expect_threads"):
+        attention.warm_up("cpu", warmup_block_mask, qkv_for=projected_qkv)
+    attention.expect_threads(threads)
+
+    def worker(index: int) -> None:
+        attention.warm_up("cpu", warmup_block_mask, qkv_for=projected_qkv)
+        for step in range(steps):
+            steady_step(attention, SHAPES[(index + step) % len(SHAPES)], grad=step % 2 == 1,
+                        generator=torch.Generator().manual_seed(index))
+
+    try:
+        errors = run_threads(worker, threads)
+        assert errors == [None] * threads, errors
+        stats = attention.stats()
+    finally:
+        attention.close()
+    assert cache_entries(flex_attention_cpu_backward) == entries_after_trial  # within the limit, nothing new
+    assert (stats.compiles_after_warmup, stats.fx_traces_after_warmup, stats.eager_runs) == (0, 0, 0)
+    assert stats.compiled_calls == threads * steps  # the trial's calls come before the count starts
+
+
 def test_threads_share_the_warm_cache_without_tracing_or_eager_runs():
     threads, steps = 4, 12
     attention = make_attention(threads, audit_steady_state=True)

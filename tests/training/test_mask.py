@@ -85,3 +85,46 @@ def test_mask_mod_on_the_128_padded_grid_stays_in_bounds(context_len, num_blocks
     full = mask_mod(b, None, torch.arange(q_pad)[None, :, None], torch.arange(kv_pad)[None, None, :])
     assert torch.equal(full[:, :q_len, :kv_len], reference_mask(anchors, block_valid, context_len, block))
     assert not full[:, q_len:].any() and not full[:, :, kv_len:].any()
+
+
+def block_mask_tensors(block_mask) -> dict:
+    fields = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
+              "full_q_num_blocks", "full_q_indices")
+    return {name: getattr(block_mask, name) for name in fields}
+
+
+@pytest.mark.parametrize("batch,num_blocks,context_len,block", [
+    (2, 5, 37, 4), (3, 9, 200, 16), (1, 3, 1000, 16), (2, 40, 256, 16), (1, 64, 384, 8), (2, 13, 300, 10),
+    (1, 32, 3072, 16),  # a whole q tile of blocks; context a multiple of 128, so full tiles exist
+])
+def test_block_mask_from_tiles_equals_create_block_mask(batch, num_blocks, context_len, block):
+    """The tile-counting construction gives exactly the tensors create_block_mask computes from every pair."""
+    from training.mask import create_block_mask_reference
+
+    anchors, block_valid = random_case(batch * 7 + num_blocks, batch, num_blocks, context_len, block)
+    anchors = anchors.sort(dim=1).values  # the trainer's anchors ascend
+    if context_len == 3072:
+        block_valid[:] = True  # no padding block: tiles of 8 whole blocks deep in the context are full
+    got = build_block_mask(anchors, block_valid, context_len, block)
+    want = create_block_mask_reference(anchors, block_valid, context_len, block)
+    assert got.shape == want.shape and got.BLOCK_SIZE == want.BLOCK_SIZE
+    assert got.mask_mod.__code__ is want.mask_mod.__code__
+    for name, tensor in block_mask_tensors(want).items():
+        mine = block_mask_tensors(got)[name]
+        assert mine.dtype == tensor.dtype and mine.stride() == tensor.stride(), name
+        assert torch.equal(mine, tensor), name
+    if context_len == 3072:
+        assert int(want.full_kv_num_blocks.sum()) > 0  # the case exercises full tiles
+
+
+@pytest.mark.gpu
+def test_block_mask_from_tiles_equals_create_block_mask_on_cuda():
+    """The same on the GPU's torch (2.11 on the H200 box), at the recipe's shape: 512 blocks of 16, context 3072."""
+    from training.mask import create_block_mask_reference
+
+    anchors, block_valid = random_case(0, 1, 512, 3072, 16)
+    anchors, block_valid = anchors.sort(dim=1).values.cuda(), block_valid.cuda()
+    got = build_block_mask(anchors, block_valid, 3072, 16)
+    want = create_block_mask_reference(anchors, block_valid, 3072, 16)
+    for name, tensor in block_mask_tensors(want).items():
+        assert torch.equal(block_mask_tensors(got)[name], tensor), name

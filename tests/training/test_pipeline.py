@@ -41,18 +41,22 @@ def one_torch_thread():
 
 
 def build(targets, drafters, per_step, steps, *, target_options=None, drafter_options=None, on_step=None,
-          batches=None, **config):
-    """A pipeline of toy stages: `targets` and `drafters` are device lists."""
+          batches=None, colocated=(), **config):
+    """A pipeline of toy stages: `targets`, `drafters` and `colocated` are device lists."""
     config = PipelineConfig(target_devices=targets, drafter_devices=drafters, micro_batches_per_step=per_step,
-                            **config)
+                            colocated_devices=colocated, **config)
+    target_options, drafter_options = target_options or {}, drafter_options or {}
     return Pipeline(
         config,
-        [ToyTarget(device, **(target_options or {})) for device in targets],
-        [ToyDrafter(device, replica=i, **(drafter_options or {})) for i, device in enumerate(drafters)],
+        [ToyTarget(device, **target_options) for device in targets],
+        [ToyDrafter(device, replica=i, **drafter_options) for i, device in enumerate(drafters)],
         batches if batches is not None else make_batches(steps * per_step),
         start_step=0,
         max_steps=steps,
         on_step=on_step,
+        colocated=[(ToyTarget(device, **target_options), ToyDrafter(device, replica=len(drafters) + i,
+                                                                       **drafter_options))
+                   for i, device in enumerate(colocated)],
     )
 
 
@@ -125,6 +129,64 @@ def test_k_replica_step_equals_single_replica_step(replicas, per_step):
     for got, want in zip(pipeline.drafters[0].trainable_parameters(), expected):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert_replicas_identical(pipeline)
+
+
+@pytest.mark.parametrize("targets,drafters,colocated,per_step", [
+    (0, 0, 1, 5),  # the serial loop: one thread, target forward then drafter step
+    (0, 0, 3, 5),  # data parallel, each replica feeding itself
+    (2, 1, 1, 5),  # a mix: a target:drafter pair and a colocated replica
+    (1, 2, 2, 3),
+])
+def test_colocated_replicas_equal_a_single_replica_step(targets, drafters, colocated, per_step):
+    steps, clip = 4, 0.5
+    batches = make_batches(steps * per_step)
+    reports: list[StepReport] = []
+    log = EventLog()
+    pipeline = build([CPU] * targets, [CPU] * drafters, per_step, steps, grad_clip=clip, batches=batches,
+                     colocated=[CPU] * colocated, on_step=reports.append, target_options={"log": log},
+                     drafter_options={"log": log})
+    pipeline.run()
+
+    expected, expected_reports = reference_parameters(batches, per_step, steps, clip)
+    for got, want in zip(reports, expected_reports, strict=True):
+        assert got.step == want.step
+        assert (got.loss, got.grad_norm, got.metrics["mae"]) == pytest.approx(
+            (want.loss, want.grad_norm, want.metrics["mae"]), rel=1e-5)
+    for got, want in zip(pipeline.drafters[0].trainable_parameters(), expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert_replicas_identical(pipeline)
+    taken = sorted(n for kind, *rest in log.events if kind == "loss" for n in rest[1:])
+    assert taken == list(range(steps * per_step))  # every micro-batch exactly once, by whichever role
+    featured = sorted(rest[0] for kind, *rest in log.events if kind == "features")
+    assert featured == taken  # and its features computed once
+    assert set(pipeline.utilisation().busy) == {
+        *(f"target{i}" for i in range(targets)), *(f"drafter{i}" for i in range(drafters)),
+        *(f"colocated{i}" for i in range(colocated))}
+
+
+def test_one_colocated_thread_is_the_serial_loop_exactly():
+    """One colocated thread reads, computes and accumulates in source order: bit-equal to the plain loop."""
+    per_step, steps, clip = 3, 5, 0.5
+    batches = make_batches(steps * per_step)
+    reports: list[StepReport] = []
+    pipeline = build([], [], per_step, steps, grad_clip=clip, batches=batches, colocated=[CPU],
+                     on_step=reports.append)
+    pipeline.run()
+    expected, expected_reports = reference_parameters(batches, per_step, steps, clip)
+    # (The reference sums losses in Python floats, the pipeline in float32: only the losses' rounding differs.)
+    assert [r.loss for r in reports] == pytest.approx([r.loss for r in expected_reports], rel=1e-6)
+    for got, want in zip(pipeline.drafters[0].trainable_parameters(), expected):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("targets,drafters,colocated,message", [
+    (1, 0, 1, "need drafter threads"),
+    (0, 1, 1, "need target threads"),
+    (0, 0, 0, "at least one drafter or colocated"),
+])
+def test_layouts_without_a_partner_are_refused(targets, drafters, colocated, message):
+    with pytest.raises(ValueError, match=message):
+        build([CPU] * targets, [CPU] * drafters, 2, 2, colocated=[CPU] * colocated)
 
 
 def test_queue_depth_is_bounded_and_targets_run_ahead():
@@ -516,3 +578,19 @@ def test_gpu_trainer_through_the_pipeline_compiles_nothing_after_warm_up(tiny_wo
     assert result.returncode == 0, result.stdout + result.stderr
     assert "attention flex" in result.stdout and "step 12/12" in result.stdout
     assert " 0 compiles after warm-up" in result.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.e2e
+@pytest.mark.parametrize("devices,topology", [([0], "colocated"), ([0], "1:1"), ([0], "auto"), ([0, 1], "auto")])
+def test_gpu_trainer_in_topologies_compiles_nothing_after_warm_up(tiny_world, tmp_path, devices, topology):
+    """The tiny preset on CUDA in each topology; auto's trial compiles inside the warm-up, never after it."""
+    if torch.cuda.device_count() < len(devices):
+        pytest.skip(f"needs {len(devices)} CUDA GPUs")
+    sets = [*tiny_world.overrides(tmp_path), f"devices={devices}", f"topology={topology}", "max_steps=12",
+            "log_every=4", "eval_every=0", "num_threads=1"]
+    command = [sys.executable, "-m", "training.train", "--config", "tiny"] + [a for s in sets for a in ("--set", s)]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "attention flex" in result.stdout and "step 12/12" in result.stdout
+    assert " 0 compiles after warm-up" in result.stdout and " 0 eager runs" in result.stdout
