@@ -62,7 +62,8 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory by its path (a directory's fsync makes a rename in it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -142,12 +143,12 @@ def save_checkpoint(output_dir: str | Path, step: int, drafter: Drafter, optimiz
         _save_state({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                      "rng": rng_state(), "data": data_state}, tmp / "state.pt")
         for file in tmp.iterdir():
-            _fsync(file)
-        _fsync(tmp)
+            fsync_path(file)
+        fsync_path(tmp)
         if final.exists():  # the same step written again (a resumed run): the new one replaces it
             os.replace(final, stale)
         os.replace(tmp, final)
-        _fsync(root)
+        fsync_path(root)
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
         if stale.exists() and not final.exists():

@@ -28,7 +28,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from training.checkpoint import STEP_DIR, check_checkpoint, checkpoints_dir
+from training.checkpoint import STEP_DIR, check_checkpoint, checkpoints_dir, fsync_path
 from training.config import ConfigError
 from training.metrics import say
 from training.model import Drafter, DrafterConfig
@@ -128,14 +128,6 @@ def served_weights(checkpoint: Path, dtype: torch.dtype) -> tuple[DrafterConfig,
     return config, {served_name(name): t.to(dtype).contiguous() for name, t in weights.items()}
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _check_destination(out: Path, checkpoint: Path, force: bool) -> None:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{out} exists and is not a directory")
@@ -165,8 +157,8 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, dtype: str = "bfl
         save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(served_config(config, dtype), indent=2) + "\n")
         for file in tmp.iterdir():
-            _fsync(file)
-        _fsync(tmp)
+            fsync_path(file)
+        fsync_path(tmp)
         if out.exists():  # empty, or --force: set the old one aside, put the new one in, then delete the old
             old = out.parent / f".{out.name}.replaced-{os.getpid()}"
             os.replace(out, old)
@@ -178,7 +170,7 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, dtype: str = "bfl
             shutil.rmtree(old)
         else:
             os.replace(tmp, out)
-        _fsync(out.parent)
+        fsync_path(out.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return checkpoint, out

@@ -52,7 +52,7 @@ def test_keep_deletes_an_old_checkpoint_only_after_the_new_one_is_complete_on_di
     save(tmp_path, 1)
     save(tmp_path, 2)
     events = []
-    real_replace, real_fsync, real_rmtree = checkpoint.os.replace, checkpoint._fsync, checkpoint.shutil.rmtree
+    real_replace, real_fsync, real_rmtree = checkpoint.os.replace, checkpoint.fsync_path, checkpoint.shutil.rmtree
 
     def replace(src, dst):
         events.append(("rename", Path(dst).name))
@@ -70,7 +70,7 @@ def test_keep_deletes_an_old_checkpoint_only_after_the_new_one_is_complete_on_di
         real_rmtree(path, *args, **kwargs)
 
     monkeypatch.setattr(checkpoint.os, "replace", replace)
-    monkeypatch.setattr(checkpoint, "_fsync", fsync)
+    monkeypatch.setattr(checkpoint, "fsync_path", fsync)
     monkeypatch.setattr(checkpoint.shutil, "rmtree", rmtree)
     save(tmp_path, 3)
 
@@ -102,7 +102,7 @@ def test_the_same_step_written_again_replaces_the_old_one_only_once_the_new_one_
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000005"]  # no stale copy left
 
 
-@pytest.mark.parametrize("failing", ["_save_weights", "_save_state", "_fsync"])
+@pytest.mark.parametrize("failing", ["_save_weights", "_save_state", "fsync_path"])
 def test_a_checkpoint_that_cannot_be_written_leaves_the_earlier_ones_as_they_were(tmp_path, monkeypatch, failing):
     earlier = [save(tmp_path, 1), save(tmp_path, 2)]
     prints = [fingerprint(path) for path in earlier]

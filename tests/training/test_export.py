@@ -372,14 +372,14 @@ def test_an_export_cut_short_never_looks_complete(existing, trained_run, tmp_pat
     if existing:
         export(trained_run, out)
     previous = {p.name: p.read_bytes() for p in out.iterdir()} if existing else None
-    real_fsync = export_module._fsync
+    real_fsync = export_module.fsync_path
 
     def disk_full(path):
         if path.name == "config.json":
             raise OSError(28, "No space left on device")
         real_fsync(path)
 
-    monkeypatch.setattr(export_module, "_fsync", disk_full)
+    monkeypatch.setattr(export_module, "fsync_path", disk_full)
     assert export_main([str(trained_run), str(out), "--dtype", "float32", "--force"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "No space left on device" in err
