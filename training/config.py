@@ -4,8 +4,10 @@ Every problem with a config (unknown key, wrong type, bad value) raises ConfigEr
 the entry point prints it and exits 2.
 """
 
+import argparse
 import dataclasses
 import re
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,6 +24,14 @@ ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
 ON_CHECKPOINT_ERROR = ("stop", "warn")
 TOPOLOGY = re.compile(r"^(\d+):(\d+)$")
 RANDOM_TARGETS = ("qwen3-8b", "qwen3-8b-narrow")  # training/random_world.py builds them
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """The entry points' parser: a bad argument is one line on stderr and exit 2, like every other bad input."""
+
+    def error(self, message: str):
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(2)
 
 
 class ConfigError(ValueError):

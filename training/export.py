@@ -16,7 +16,6 @@ A successful training run calls `export_run`, which writes `<output_dir>/export/
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -29,7 +28,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from training.checkpoint import STEP_DIR, check_checkpoint, checkpoints_dir, fsync_path
-from training.config import ConfigError
+from training.config import ConfigError, OneLineArgumentParser
 from training.metrics import say
 from training.model import Drafter, DrafterConfig
 from training.target import check_feature_layers, rope_parameters
@@ -183,14 +182,8 @@ def export_run(output_dir: str | Path) -> Path:
     return out
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2, like every other bad-input path
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="python -m training.export",
+    parser = OneLineArgumentParser(prog="python -m training.export",
                      description="Write a drafter checkpoint in the format SGLang and vLLM load (DFlashDraftModel).")
     parser.add_argument("source", metavar="RUN_OR_CHECKPOINT_DIR",
                         help="a run's output_dir (its newest complete checkpoint) or a checkpoint directory")

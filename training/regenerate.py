@@ -23,7 +23,6 @@ one ends at once. A bad configuration or input line prints one line and exits 2;
 
 from __future__ import annotations
 
-import argparse
 import copy
 import hashlib
 import json
@@ -39,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from training.config import DTYPES, ConfigError, load_config, parse_devices
+from training.config import DTYPES, ConfigError, OneLineArgumentParser, load_config, parse_devices
 from training.data import DataError, encode_chat, parse_conversation
 from training.metrics import MetricsLog, say
 
@@ -410,14 +409,8 @@ def regenerate(config: RegenerateConfig, stop: StopFlag | None = None) -> int:
     return 0
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2, like every other bad-input path
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="python -m training.regenerate", description="Regenerate chat data with the target.")
+    parser = OneLineArgumentParser(prog="python -m training.regenerate", description="Regenerate chat data with the target.")
     parser.add_argument("--config", required=True, help="preset name (training/presets/) or TOML path")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     args = parser.parse_args(argv)

@@ -55,7 +55,7 @@ from training.checkpoint import (
     save_checkpoint,
 )
 from training.compile import AttentionShape, SharedFlexAttention, projected_qkv
-from training.config import ConfigError, TrainConfig, load_config, parse_devices
+from training.config import ConfigError, OneLineArgumentParser, TrainConfig, load_config, parse_devices
 from training.data import Batch, BatchStream, DataError, eval_prompts, prepare_sequences
 from training.evaluate import acceptance_length, build_eval_set
 from training.export import export_run
@@ -760,14 +760,8 @@ def train(config: TrainConfig, resume: bool = False, stop: StopRequest | None = 
     return result
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2, like every other bad-input path
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = _Parser(prog="python -m training.train", description="Train a DFlash drafter.")
+    parser = OneLineArgumentParser(prog="python -m training.train", description="Train a DFlash drafter.")
     parser.add_argument("--config", required=True, help="preset name (training/presets/) or TOML path")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
