@@ -97,6 +97,11 @@ class TrainConfig:
     eval_prompts: int = 8
     eval_new_tokens: int = 256
 
+    # Multi-node runs (training/distributed.py; WORLD_SIZE > 1 in the environment).
+    node_start_timeout_s: float = 120.0  # every node must join within this, else every node stops
+    node_sync_timeout_s: float = 1800.0  # waits around uneven work: warm-up, node 0's checkpoints, eval, export
+    node_timeout_s: float = 300.0  # steady-state steps; also a node silent this long is lost
+
     # Tests only.
     debug_nan_steps: list[int] = field(default_factory=list)  # steps (numbered as logged) whose loss is made NaN
 
@@ -104,7 +109,7 @@ class TrainConfig:
         """Check values beyond their types; returns self."""
         positive = ("max_steps", "batch_size", "max_length", "block_size", "num_anchors", "num_draft_layers",
                     "loss_chunk_size", "log_every", "save_every", "keep_checkpoints", "eval_new_tokens",
-                    "queue_depth", "max_bad_steps")
+                    "queue_depth", "max_bad_steps", "node_start_timeout_s", "node_sync_timeout_s", "node_timeout_s")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")

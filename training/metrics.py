@@ -13,7 +13,10 @@ torch's peak allocation on a GPU, the process's peak RSS for "cpu"), and from th
 busy fraction of the window) and `queue_depth` (`mean`, `max`, `bound`). The first training record adds
 `layout_detail` (every role's devices) and, with topology "auto", `layout_auto` (the trial's times per sequence
 and every candidate's prediction and memory), and every record `predicted_tokens_per_s`. Evaluations add
-`acceptance_length`.
+`acceptance_length`. In a multi-node run (training/distributed.py) node 0's records count every node:
+`tokens_per_s` and `tflops_per_s` are the run's, and `nodes` lists each node's own (`node`, `tokens_per_s`,
+`tflops_per_s`, `busy`); each other node writes the same records with its own figures (and `node`), for gpuctl
+status, and no evaluation.
 """
 
 from __future__ import annotations
@@ -41,8 +44,11 @@ def announce_output_dir(output_dir: str | Path) -> None:
         say(f"warning: cannot write {path}: {err}")
 
 
-def metrics_path(output_dir: str | Path) -> Path:
-    return Path(os.environ.get("GPUCTL_METRICS") or Path(output_dir).expanduser() / "metrics.jsonl")
+def metrics_path(output_dir: str | Path, node: int = 0) -> Path:
+    """Where a run's records go: $GPUCTL_METRICS, else its output_dir's metrics.jsonl; in a multi-node run, a
+    node other than 0 writes its own progress to its $GPUCTL_METRICS, else metrics.node<N>.jsonl."""
+    name = "metrics.jsonl" if node == 0 else f"metrics.node{node}.jsonl"
+    return Path(os.environ.get("GPUCTL_METRICS") or Path(output_dir).expanduser() / name)
 
 
 class MetricsLog:

@@ -27,6 +27,11 @@ What keeps it correct:
   dropped. The pipeline installs no signal handler: the process's entry point owns signals.
 - Compile discipline: each thread calls its workers' optional `warm_up()` on its own device, then every thread
   meets at one barrier before steady state (no thread works while another may still be compiling).
+- Nodes: in a multi-node run (training/distributed.py) this process computes its share of each step's
+  micro-batches (each loss scaled by 1 / the step's micro-batches on every node together), and the leader
+  replica's thread joins the other processes at the step boundary through `AcrossNodes`: whether every node
+  completed the step and whether any stops after it, the gradient all-reduce after the in-process sum and
+  before the clip, the sum of the step's loss and metrics. Only that thread talks to other nodes.
 - Layouts: target threads need drafter threads and the other way round; colocated threads need neither, so a
   run may be all colocated, all disaggregated (T targets : D drafters), or a mix of the two.
 """
@@ -59,6 +64,20 @@ class TargetWorker(Protocol):
         """The drafter's input features for one micro-batch (called under torch.no_grad)."""
 
 
+class AcrossNodes(Protocol):
+    """The other processes of a multi-node run (training/distributed.py: Nodes), as the leader replica's thread
+    uses them once a step, in this order on every node."""
+
+    def agree(self, step: int, complete: bool, stop: bool) -> tuple[bool, bool]:
+        """(every node completed the step, some node asks to stop after it)."""
+
+    def sum_numbers(self, step: int, values: list[float]) -> list[float]:
+        """The sums over the nodes of a few numbers."""
+
+    def sum_tensors(self, step: int, tensors: list[torch.Tensor]) -> None:
+        """Sum tensors over the nodes, in place."""
+
+
 class DrafterWorker(Protocol):
     """A drafter replica and its optimizer on one device. May also define `warm_up(self) -> None`."""
 
@@ -89,6 +108,9 @@ class PipelineConfig:
     abort_grace_s: float = 60.0
     # One thread per entry running target forward + drafter step on its own micro-batches (the serial loop).
     colocated_devices: Sequence[torch.device] = ()
+    # A multi-node run: a step's micro-batches on every node together (each loss is scaled by 1/this); 0 = this
+    # process's micro_batches_per_step (a single-node run).
+    global_micro_batches_per_step: int = 0
 
     @property
     def replica_devices(self) -> list[torch.device]:
@@ -165,14 +187,16 @@ def move_to_device(obj: Any, device: torch.device) -> Any:
 
 
 def sum_and_clip_gradients(
-    grads: list[list[torch.Tensor]], devices: Sequence[torch.device], max_norm: float | None
+    grads: list[list[torch.Tensor]], devices: Sequence[torch.device], max_norm: float | None,
+    across_nodes: Callable[[list[torch.Tensor]], None] | None = None,
 ) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
     """Sum per-replica gradient lists onto replica 0's device, clip the sum like clip_grad_norm_, and give
     every replica its own copy of the result.
 
     Returns (one gradient list per replica, the pre-clip total norm). On distinct GPUs this is an NCCL
     reduce + broadcast (torch.cuda.comm); otherwise (CPU, or replicas sharing a GPU) a plain sum in replica
-    order.
+    order. `across_nodes`, in a multi-node run, sums this process's sum with the other nodes' (in place),
+    before the norm: every node then clips the same global sum.
     """
     distinct_gpus = all(d.type == "cuda" for d in devices) and len({d.index for d in devices}) == len(devices)
     if len(grads) == 1:
@@ -183,6 +207,8 @@ def sum_and_clip_gradients(
         total = [g.clone() for g in grads[0]]
         for replica_grads in grads[1:]:
             torch._foreach_add_(total, [g.to(devices[0]) for g in replica_grads])
+    if across_nodes is not None:
+        across_nodes(total)
     norm = torch.nn.utils.get_total_norm(total)
     if max_norm is not None:
         # Same arithmetic as clip_grad_norm_, so one replica here equals a plain single-device step. A non-finite
@@ -431,6 +457,7 @@ class Pipeline:
         on_step: Callable[[StepReport], None] | None = None,
         colocated: Sequence[tuple[TargetWorker, DrafterWorker]] = (),
         on_steady: Callable[[], None] | None = None,
+        nodes: AcrossNodes | None = None,
     ):
         if config.micro_batches_per_step < 1:
             raise ValueError("micro_batches_per_step must be at least 1")
@@ -455,6 +482,8 @@ class Pipeline:
         self._on_step = on_step
         self._on_steady = on_steady
         self._per_step = config.micro_batches_per_step
+        self._loss_divisor = config.global_micro_batches_per_step or config.micro_batches_per_step
+        self._nodes = nodes
         self._handoff = _Handoff(
             micro_batches,
             (self._max_steps - start_step) * self._per_step,
@@ -684,7 +713,7 @@ class Pipeline:
                     features, batch = features_and_batch(item)
                     output = worker.loss(features, batch)
                     loss, metrics = output if isinstance(output, tuple) else (output, {})
-                    (loss / self._per_step).backward()
+                    (loss / self._loss_divisor).backward()
                     for key, value in {"loss": loss, **metrics}.items():
                         sums[key] = sums[key] + value.detach() if key in sums else value.detach().float()
                 # Only now, with this stream synchronized, may the target's tensors be freed.
@@ -716,24 +745,32 @@ class Pipeline:
 
     def _plan_step(self, step: int) -> None:
         """Leader only, between the step barriers: decide whether the step counts, and if so reduce it."""
-        self._plan_complete = self._handoff.step_complete(step)
+        complete, stop_after = self._handoff.step_complete(step), self._stop_requested
+        if self._nodes is not None:
+            complete, stop_after = self._nodes.agree(step, complete, stop_after)
+            if (stop_after or not complete) and not self._stop_requested:
+                self.request_stop()  # another node stops: this one stops with it, at the same step
+        self._plan_complete, self._plan_stop_after = complete, stop_after
         self._plan_skip = False
-        self._plan_stop_after = self._stop_requested
         self._plan_grads = []
         if not self._plan_complete:
             return
         replicas = [w.trainable_parameters() for w in self.drafters]
         grads = [[torch.zeros_like(p) if p.grad is None else p.grad for p in params] for params in replicas]
         devices = self.config.replica_devices
-        self._plan_grads, norm = sum_and_clip_gradients(grads, devices, self.config.grad_clip)
+        across = None if self._nodes is None else (lambda total: self._nodes.sum_tensors(step, total))
+        self._plan_grads, norm = sum_and_clip_gradients(grads, devices, self.config.grad_clip, across)
         # The sum and copies ran on this thread's streams of every drafter GPU: finish them before the other
         # drafters read their gradients on their own streams.
         for device in {d for d in devices if d.type == "cuda"}:
             torch.cuda.current_stream(device).synchronize()
-        means = {}
-        for sums in self._step_sums:
-            for key, value in sums.items():
-                means[key] = means.get(key, 0.0) + float(value) / self._per_step
+        sums: dict[str, float] = {}
+        for replica_sums in self._step_sums:
+            for key, value in replica_sums.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+        if self._nodes is not None:  # every node has the same keys: its replicas' loss() metrics
+            sums = dict(zip(sorted(sums), self._nodes.sum_numbers(step, [sums[k] for k in sorted(sums)])))
+        means = {key: value / self._loss_divisor for key, value in sums.items()}
         loss, grad_norm = means.pop("loss"), float(norm)
         skipped = self._not_finite(loss, grad_norm, self._plan_grads[0])
         self._plan_skip = skipped is not None

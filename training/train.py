@@ -17,6 +17,10 @@ alone turns how the run ended into the exit code, one of TrainExit:
     0 done, or stopped by SIGTERM     3 max_bad_steps non-finite steps in a row   130 Ctrl-C, or a 2nd signal
     1 a thread failed (traceback)     4 a checkpoint could not be written
     2 bad configuration or data       5 out of memory in a stage
+                                      6 another node of a multi-node run was lost (one line naming it)
+With RANK, WORLD_SIZE > 1, MASTER_ADDR and MASTER_PORT set, this process is one node of a multi-node run
+(training/distributed.py): node 0 checkpoints, writes the run's metrics and exports; a stop signal on any node
+stops every node at the same step.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from training.checkpoint import (
 from training.compile import AttentionShape, SharedFlexAttention, projected_qkv
 from training.config import ConfigError, OneLineArgumentParser, TrainConfig, load_config, parse_devices
 from training.data import Batch, BatchStream, DataError, eval_prompts, prepare_sequences
+from training.distributed import NodeLost, Nodes, micro_batch_share, node_env, run_fingerprint, tensor_sums, timeouts_of
 from training.evaluate import acceptance_length, build_eval_set
 from training.export import export_run
 from training.flops import drafter_flops, target_flops
@@ -266,11 +271,15 @@ class StepBatches:
     step's token count, its counted FLOPs (`flops_of`, training/flops.py) and the stream's state before it:
     targets read ahead, so a checkpoint after step s needs the state from before step s + 1's first
     micro-batch, not the stream's current one. The micro-batches of `nan_steps` (numbered as logged, from 1)
-    come as NanLossBatch."""
+    come as NanLossBatch. In a multi-node run, `share` is the indices of each step's micro-batches this node
+    computes: every node reads the whole stream (so every node's data position is the run's) and passes on
+    only its own, counting only their tokens."""
 
     def __init__(self, stream: BatchStream, per_step: int, start_step: int,
-                 flops_of: Callable[[Batch], float] | None = None, nan_steps: Iterable[int] = ()):
+                 flops_of: Callable[[Batch], float] | None = None, nan_steps: Iterable[int] = (),
+                 share: list[int] | None = None):
         self.stream, self.per_step, self.start_step = stream, per_step, start_step
+        self.share = set(range(per_step) if share is None else share)
         self.flops_of = flops_of
         self.nan_steps = set(nan_steps)
         self._lock = threading.Lock()  # the target threads read, the checkpointing thread asks for states
@@ -279,13 +288,19 @@ class StepBatches:
         self._flops: dict[int, float] = {}
 
     def __iter__(self):
+        last_own = max(self.share)
         for step in itertools.count(self.start_step):
-            for index in range(self.per_step):
+            for index in range(last_own + 1):
                 with self._lock:
                     if index == 0:
                         self._state_before[step] = self.stream.state_dict()
                     batch = next(self.stream)
+                    if index not in self.share:
+                        continue
                     self._tokens[step] = self._tokens.get(step, 0) + batch.num_tokens
+                    if index == last_own:  # the step's later micro-batches are other nodes': read past them now
+                        for _ in range(last_own + 1, self.per_step):
+                            next(self.stream)
                 flops = self.flops_of(batch) if self.flops_of is not None else 0.0
                 with self._lock:
                     self._flops[step] = self._flops.get(step, 0.0) + flops
@@ -348,11 +363,13 @@ def load_targets(config: TrainConfig, devices: list[torch.device], dtype: torch.
     return [Target.load(config.target_path, device, dtype, config.target_layers or None) for device in devices]
 
 
-def load_data(config: TrainConfig, tokenizer) -> tuple[BatchStream, list[list[dict]]]:
-    """The training micro-batches, and the held-out conversations evaluation drafts on (eval_data_path, else
+def load_data(config: TrainConfig, tokenizer) -> tuple[BatchStream, list[list[dict]], str]:
+    """The training micro-batches, the held-out conversations evaluation drafts on (eval_data_path, else
     the tail of the training data, through the tokenized cache; with random_target, synthetic conversations
-    that fill max_length, tokenized here). Bad lines stop the run, or with skip_bad_data are skipped; they and
-    the conversations the recipe drops (under 2 x block_size loss tokens) are counted in one line."""
+    that fill max_length, tokenized here), and what identifies the training data (the tokenized cache's key:
+    the data file's sha256, the tokenizer, the template options; and the count kept). Bad lines stop the run,
+    or with skip_bad_data are skipped; they and the conversations the recipe drops (under 2 x block_size loss
+    tokens) are counted in one line."""
     if config.random_target:
         conversations = synthetic_conversations(NUM_RANDOM_CONVERSATIONS + config.eval_prompts, config.max_length,
                                                 config.seed)
@@ -360,13 +377,15 @@ def load_data(config: TrainConfig, tokenizer) -> tuple[BatchStream, list[list[di
         sequences = prepare_sequences(tokenizer, conversations[:cut], config.max_length, config.block_size,
                                       {"enable_thinking": config.enable_thinking})
         held_out = conversations[cut:]
+        data_id = f"synthetic conversations (seed {config.seed})"
     else:
         data = load_training_data(tokenizer, config, log=say)  # tokenised once, then read from its cache
         sequences, held_out = data.sequences, data.held_out
+        data_id = f"tokenized data {data.tokenized.index['key']}"
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     stream = BatchStream(sequences, config.micro_batch_rows(), config.buckets(), config.block_size,
                          config.num_anchors, pad_id, config.seed)
-    return stream, held_out
+    return stream, held_out, f"{data_id}, {len(sequences)} sequences"
 
 
 def build_drafters(config: TrainConfig, target: Target, devices: list[torch.device]) -> list[Drafter]:
@@ -382,11 +401,11 @@ def build_drafters(config: TrainConfig, target: Target, devices: list[torch.devi
     return [drafter] + [copy.deepcopy(drafter).to(device) for device in devices[1:]]
 
 
-def restore_latest_checkpoint(config: TrainConfig, replicas: list[DrafterReplica], stream: BatchStream) -> int:
-    """The step to go on from: the latest checkpoint's, loaded into every replica and the data stream; 0
-    when there is none. With another max_steps than the checkpoint's, the learning rate continues from the
+def restore_checkpoint(config: TrainConfig, checkpoint: Path | None, replicas: list[DrafterReplica],
+                       stream: BatchStream) -> int:
+    """The step to go on from: `checkpoint`'s (the latest one), loaded into every replica and the data stream;
+    0 when there is none. With another max_steps than the checkpoint's, the learning rate continues from the
     checkpoint's to 0 at the new end (CosineSchedule)."""
-    checkpoint = latest_checkpoint(config.output_dir)
     if checkpoint is None:
         say(f"no checkpoint in {checkpoints_dir(config.output_dir)}: starting at step 0")
         return 0
@@ -428,16 +447,19 @@ class StepLog:
     counted FLOPs add up over a window (loss and accuracy over the steps that updated; skipped ones are
     counted), and every `log_every`-th step (and the last) writes one metrics record, the JSON line and the
     progress line, with the layout and each device's peak memory; every `eval_every`-th step (and the last)
-    adds the acceptance length τ on the held-out prompts."""
+    adds the acceptance length τ on the held-out prompts. In a multi-node run the nodes exchange their window's
+    tokens, FLOPs and busy fractions at each record: node 0's record is the run's (and evaluates), each other
+    node writes its own figures to its own file (metrics_path)."""
 
     def __init__(self, config: TrainConfig, leader: DrafterReplica, batches: StepBatches, target: Target,
                  held_out: list[list[dict]], layout: Layout, devices: list[torch.device],
-                 choice: Choice | None = None):
+                 choice: Choice | None = None, nodes: Nodes | None = None):
         self.config, self.leader, self.batches = config, leader, batches
-        self.layout, self.devices, self.choice = layout, devices, choice
-        self.metrics = MetricsLog(metrics_path(config.output_dir), config.max_steps)
+        self.layout, self.devices, self.choice, self.nodes = layout, devices, choice, nodes
+        node = 0 if nodes is None else nodes.rank
+        self.metrics = MetricsLog(metrics_path(config.output_dir, node), config.max_steps)
         self.evalset = None
-        if config.eval_every and held_out:
+        if config.eval_every and held_out and node == 0:
             prompts = eval_prompts(target.tokenizer, held_out, {"enable_thinking": config.enable_thinking})
             self.evalset = build_eval_set(target, prompts, config.eval_new_tokens, leader.device)
         self.skipped_total = 0  # steps skipped for a non-finite loss or gradient, since this process started
@@ -486,12 +508,21 @@ class StepLog:
 
     def _close_window(self, report: StepReport, utilisation: Utilisation) -> dict:
         elapsed = max(time.time() - self._start, 1e-9)
-        tokens_per_s = self._tokens / elapsed
-        record = {"lr": self.leader.last_lr, "tokens_per_s": tokens_per_s,
-                  "tflops_per_s": round(self._flops / elapsed / 1e12, 3),
+        tokens_per_s, tflops_per_s = self._tokens / elapsed, round(self._flops / elapsed / 1e12, 3)
+        spread = {}
+        if self.nodes is not None:
+            mine = {"node": self.nodes.rank, "tokens_per_s": round(tokens_per_s, 1), "tflops_per_s": tflops_per_s,
+                    "busy": utilisation.as_metrics()["busy"]}
+            spread = {"node": self.nodes.rank}
+            everyone = self.nodes.gather(mine, f"step {report.step}'s metrics")
+            if self.nodes.leader:
+                tokens_per_s = sum(node["tokens_per_s"] for node in everyone)
+                tflops_per_s = round(sum(node["tflops_per_s"] for node in everyone), 3)
+                spread = {"nodes": everyone}
+        record = {"lr": self.leader.last_lr, "tokens_per_s": tokens_per_s, "tflops_per_s": tflops_per_s,
                   "skipped_steps": self._skipped, "skipped_steps_total": self.skipped_total,
                   **utilisation.as_metrics(), "layout": self.layout.name,
-                  "peak_memory_gib": peak_memory_gib(self.devices)}
+                  "peak_memory_gib": peak_memory_gib(self.devices), **spread}
         if self._steps:  # a window of skipped steps only has no loss (JSON has no NaN)
             record.update(loss=self._loss / self._steps, accuracy=self._accuracy / self._steps)
         if report.skipped is None:
@@ -542,18 +573,23 @@ class CheckpointPolicy:
     saves every `save_every`-th step and the last; `close` at the end saves the final step unless it is saved
     already (a stop). A checkpoint holds the leader replica (the replicas are identical) and the data
     position of its own step. One that cannot be written raises CheckpointWriteError (exit 4), or with
-    on_checkpoint_error=warn, for any but the run's last, is a warning, and the run goes on."""
+    on_checkpoint_error=warn, for any but the run's last, is a warning, and the run goes on. In a multi-node
+    run only node 0 writes (`writes`); the others' replicas are the same."""
 
-    def __init__(self, config: TrainConfig, leader: DrafterReplica, batches: StepBatches, step: int):
-        self.config, self.leader, self.batches = config, leader, batches
+    def __init__(self, config: TrainConfig, leader: DrafterReplica, batches: StepBatches, step: int,
+                 writes: bool = True):
+        self.config, self.leader, self.batches, self.writes = config, leader, batches, writes
         self.saved_step = step  # where the run starts is on disk already (or step 0: nothing to keep)
 
+    def due(self, step: int) -> bool:
+        return step % self.config.save_every == 0 or step == self.config.max_steps
+
     def after_step(self, step: int) -> None:
-        if step % self.config.save_every == 0 or step == self.config.max_steps:
+        if self.writes and self.due(step):
             self.save(step, last=step == self.config.max_steps)
 
     def close(self, step: int) -> None:
-        if step != self.saved_step:
+        if self.writes and step != self.saved_step:
             self.save(step, last=True)
 
     def save(self, step: int, last: bool = False) -> None:
@@ -638,6 +674,7 @@ class World:
     held_out: list[list[dict]]
     shared_flex: SharedFlexAttention | None
     choice: Choice | None  # topology "auto": what it measured and why it chose the layout
+    data_id: str  # what identifies the training data (load_data)
 
 
 def build_world(config: TrainConfig, layout: Layout | None, devices: list[torch.device], backend: str,
@@ -648,7 +685,7 @@ def build_world(config: TrainConfig, layout: Layout | None, devices: list[torch.
     place = (lambda names: [torch.device(n) for n in names])
     first = [devices[0]]
     targets = load_targets(config, place(layout.target_replica_devices) if layout else first, dtype)
-    stream, held_out = load_data(config, targets[0].tokenizer)
+    stream, held_out, data_id = load_data(config, targets[0].tokenizer)
     replica_devices = place(layout.replica_devices) if layout else first
     drafters = build_drafters(config, targets[0], replica_devices)
     shared_flex = None
@@ -657,7 +694,7 @@ def build_world(config: TrainConfig, layout: Layout | None, devices: list[torch.
                                             dtype, threads=len(replica_devices) if layout else None)
     replicas = [DrafterReplica(d, config, backend, dtype, shared_flex) for d in drafters]
     if layout is not None:
-        return World(layout, place(layout.devices), targets, replicas, stream, held_out, shared_flex, None)
+        return World(layout, place(layout.devices), targets, replicas, stream, held_out, shared_flex, None, data_id)
 
     choice = layout_trial(config, devices, targets[0], replicas[0], stream, shared_flex)
     layout = choice.chosen.layout
@@ -676,37 +713,66 @@ def build_world(config: TrainConfig, layout: Layout | None, devices: list[torch.
         torch.cuda.empty_cache()  # a trial replica the layout does not keep
     if shared_flex is not None:
         shared_flex.expect_threads(len(replicas))
-    return World(layout, place(layout.devices), targets, replicas, stream, held_out, shared_flex, choice)
+    return World(layout, place(layout.devices), targets, replicas, stream, held_out, shared_flex, choice, data_id)
 
 
 def build_pipeline(config: TrainConfig, world: World, batches: StepBatches, step: int,
-                   on_step: Callable[[StepReport], None], on_steady: Callable[[], None]) -> Pipeline:
-    """The pipeline over the world's layout: its target, drafter and colocated entries, in the layout's order."""
+                   on_step: Callable[[StepReport], None], on_steady: Callable[[], None],
+                   nodes: Nodes | None = None) -> Pipeline:
+    """The pipeline over the world's layout: its target, drafter and colocated entries, in the layout's order;
+    in a multi-node run, over this node's share of each step."""
     layout, n_targets, n_drafters = world.layout, len(world.layout.targets), len(world.layout.drafters)
     config_ = PipelineConfig(
         target_devices=[torch.device(d) for d in layout.targets],
         drafter_devices=[torch.device(d) for d in layout.drafters],
         colocated_devices=[torch.device(d) for d in layout.colocated],
-        micro_batches_per_step=config.micro_batches_per_step(), queue_depth=config.queue_depth,
-        grad_clip=config.grad_clip,
+        micro_batches_per_step=len(batches.share), queue_depth=config.queue_depth,
+        grad_clip=config.grad_clip, global_micro_batches_per_step=config.micro_batches_per_step(),
     )
     colocated = list(zip([TargetReplica(t) for t in world.targets[n_targets:]], world.replicas[n_drafters:]))
     return Pipeline(config_, [TargetReplica(t) for t in world.targets[:n_targets]], world.replicas[:n_drafters],
                     batches, start_step=step, max_steps=config.max_steps, on_step=on_step, colocated=colocated,
-                    on_steady=on_steady)
+                    on_steady=on_steady, nodes=nodes)
 
 
-def train(config: TrainConfig, resume: bool = False, stop: StopRequest | None = None) -> RunResult:
-    """Train to config.max_steps, or until `stop` asks; returns the steps done and whether it stopped early."""
+def train(config: TrainConfig, resume: bool = False, stop: StopRequest | None = None,
+          on_node_lost: Callable[[str], None] | None = None) -> RunResult:
+    """Train to config.max_steps, or until `stop` asks; returns the steps done and whether it stopped early.
+
+    With WORLD_SIZE > 1 in the environment this process is one node of a multi-node run (training/distributed.py,
+    ARCHITECTURE §10); `on_node_lost(line)` is then called, from the heartbeat thread, when another node hangs
+    or dies (the default raises nothing: `main` passes one that ends the process)."""
     stop = stop or StopRequest()  # never entered: no signal handling when called as a library
 
     # The world: the layout (with topology "auto", measured and chosen here), the frozen target (a replica
-    # per target entry), its data, the drafter replicas.
+    # per target entry), its data, the drafter replicas; in a multi-node run, first every node.
     layout, devices, backend = pick_layout(config)
     dtype = compute_dtype(config.dtype, torch.device(layout.replica_devices[0]) if layout else devices[0])
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    prepare_output_dir(config, resume)
+    env = node_env()
+    nodes = None
+    if env is not None:
+        micro_batch_share(config.micro_batches_per_step(), env.rank, env.world_size)  # refused before joining
+        say(f"node {env.rank} of {env.world_size}: joining node 0 at {env.master_addr}:{env.master_port}")
+        nodes = Nodes(env, torch.device(layout.replica_devices[0]) if layout else devices[0], timeouts_of(config),
+                      on_node_lost or (lambda line: None))
+    try:
+        result = _train(config, resume, stop, layout, devices, backend, dtype, nodes)
+    except BaseException:
+        if nodes is not None:
+            nodes.heartbeat.stop(wait=False)  # ending anyway: a node that ends first is not "lost"
+        raise
+    if nodes is not None:
+        nodes.close()
+    return result
+
+
+def _train(config: TrainConfig, resume: bool, stop: StopRequest, layout: Layout | None,
+           devices: list[torch.device], backend: str, dtype: torch.dtype, nodes: Nodes | None) -> RunResult:
+    leads = nodes is None or nodes.leader  # writes checkpoints, the run's metrics and the export
+    if leads:
+        prepare_output_dir(config, resume)
     world = build_world(config, layout, devices, backend, dtype)
     target, leader = world.targets[0], world.replicas[0]
     say(f"target {config.random_target or config.target_path} (layers {target.layers}, {target.layers_run} of "
@@ -716,31 +782,61 @@ def train(config: TrainConfig, resume: bool = False, stop: StopRequest | None = 
     say(f"drafter: {config.num_draft_layers} layers, {leader.drafter.num_trainable() / 1e6:.2f} M trainable "
         f"parameters, {len(world.replicas)} replica(s); a step is {config.micro_batches_per_step()} "
         f"micro-batches of {config.micro_batch_rows()} sequences")
-    if config.micro_batches_per_step() < len(world.replicas):
-        say(f"note: {len(world.replicas)} replicas share {config.micro_batches_per_step()} micro-batch(es) a step: "
+    share = None
+    if nodes is not None:
+        share = micro_batch_share(config.micro_batches_per_step(), nodes.rank, nodes.world_size)
+        nodes.device = leader.device if leader.device.type == "cuda" else nodes.device
+        target_config = {k: v for k, v in target.config.to_dict().items() if k != "_name_or_path"}
+        trainable = [(n, p) for n, p in leader.drafter.named_parameters() if p.requires_grad]
+        nodes.check_same(run_fingerprint(config.to_dict(), world.data_id, target_config,
+                                         tensor_sums(target.model.named_parameters()), tensor_sums(trainable)))
+        say(f"node {nodes.rank} of {nodes.world_size}: every node has the same config, data, target and drafter; "
+            f"this node computes {len(share)} of each step's {config.micro_batches_per_step()} micro-batches")
+    replicas_here = len(share) if share is not None else config.micro_batches_per_step()
+    if replicas_here < len(world.replicas):
+        say(f"note: {len(world.replicas)} replicas share {replicas_here} micro-batch(es) a step: "
             "some idle every step; raise batch_size to use them")
 
-    # Resume.
-    step = restore_latest_checkpoint(config, world.replicas, world.stream) if resume else 0
+    # Resume: node 0's latest checkpoint, which it sends to every other node (they do not share its disk).
+    step = 0
+    if resume or nodes is not None:
+        checkpoint = latest_checkpoint(config.output_dir) if resume and leads else None
+        received = Path(config.output_dir).expanduser() / ".from-node0"
+        if nodes is not None:
+            checkpoint = nodes.share_checkpoint(checkpoint, received)
+        if resume or checkpoint is not None:
+            step = restore_checkpoint(config, checkpoint, world.replicas, world.stream)
+        if not leads:
+            shutil.rmtree(received, ignore_errors=True)
 
     # Built once, called after every step, closed at the end.
     batches = StepBatches(world.stream, config.micro_batches_per_step(), step,
-                          step_flops(config, target, leader.drafter.config), nan_steps=config.debug_nan_steps)
-    step_log = StepLog(config, leader, batches, target, world.held_out, world.layout, world.devices, world.choice)
+                          step_flops(config, target, leader.drafter.config), nan_steps=config.debug_nan_steps,
+                          share=share)
+    step_log = StepLog(config, leader, batches, target, world.held_out, world.layout, world.devices, world.choice,
+                       nodes)
     step_log.start(step)
     bad_steps = BadStepGuard(config.max_bad_steps)
-    checkpoints = CheckpointPolicy(config, leader, batches, step)
+    checkpoints = CheckpointPolicy(config, leader, batches, step, writes=leads)
+
+    def leader_works_after(done: int) -> bool:
+        """Node 0 checkpoints or evaluates after step `done`: the others wait for it with the long timeout."""
+        return checkpoints.due(done) or bool(config.eval_every and done % config.eval_every == 0)
 
     # The loop: the pipeline's threads run the steps; after each one the leader replica's thread calls this.
     def after_step(report: StepReport) -> None:
         step_log.after_step(report, pipeline.utilisation)
         bad_steps.after_step(report)
         checkpoints.after_step(report.step)
+        if nodes is not None and leader_works_after(report.step):
+            nodes.wait_for_leader(f"step {report.step} checkpoint or evaluation")
 
-    pipeline = build_pipeline(config, world, batches, step, after_step, step_log.steady)
+    if nodes is not None:
+        nodes.first_step = step  # its collectives wait out every node's warm-up
+    pipeline = build_pipeline(config, world, batches, step, after_step, step_log.steady, nodes)
     shared_flex = world.shared_flex
     try:
-        if stop.requested:  # a signal while loading: nothing trained, nothing to save
+        if stop.requested and nodes is None:  # a signal while loading: nothing trained, nothing to save
             say(f"{stop.reason()}: stopped at step {step} before training")
             return RunResult(step, stopped=True)
         result = pipeline.run(stop=stop.reason)
@@ -752,10 +848,14 @@ def train(config: TrainConfig, resume: bool = False, stop: StopRequest | None = 
     if shared_flex is not None:
         say_compile_counters(shared_flex)
     checkpoints.close(result.steps_done)
-    if result.stopped:
-        say(f"stopped at step {result.steps_done}; checkpoint saved in {checkpoints_dir(config.output_dir)}")
-    else:
+    if not result.stopped and leads:
         export_run(config.output_dir)
+    if nodes is not None:
+        nodes.wait_for_leader("final checkpoint and export")
+    if result.stopped:
+        say(f"stopped at step {result.steps_done}; checkpoint saved in {checkpoints_dir(config.output_dir)}"
+            + ("" if leads else " of node 0"))
+    else:
         say(f"done: {result.steps_done} steps")
     return result
 
@@ -777,6 +877,7 @@ class TrainExit(IntEnum):
     NON_FINITE = 3  # max_bad_steps steps in a row with a non-finite loss or gradient: one line (step, what)
     CHECKPOINT_WRITE = 4  # a checkpoint could not be written (disk full, read-only, quota): one line (path, why)
     OUT_OF_MEMORY = 5  # a stage ran out of device memory: one line (stage, device, shapes, the keys to lower)
+    NODE_LOST = 6  # another node of a multi-node run died, hung or could not be reached: one line naming it
     INTERRUPTED = 130  # stopped by Ctrl-C (checkpoint saved), or aborted by a second signal (none)
 
 
@@ -805,7 +906,17 @@ def thread_failure(err: PipelineError, config: TrainConfig) -> tuple[TrainExit, 
         return TrainExit.CHECKPOINT_WRITE, str(err.error)
     if isinstance(err.error, torch.OutOfMemoryError):
         return TrainExit.OUT_OF_MEMORY, out_of_memory_line(err, config)
+    if isinstance(err.error, NodeLost):
+        return TrainExit.NODE_LOST, str(err.error)
     return TrainExit.INTERRUPTED if isinstance(err.error, KeyboardInterrupt) else TrainExit.FAILED, str(err)
+
+
+def end_for_lost_node(line: str) -> None:
+    """Another node hung or died: say which, and end this process now, from whichever thread (one stuck in a
+    collective that will never complete cannot be joined)."""
+    print(f"error: {line}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(TrainExit.NODE_LOST)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -821,13 +932,15 @@ def main(argv: list[str] | None = None) -> int:
 
         hf_logging.disable_progress_bar()  # progress bars would fill the run's log file with carriage returns
         with StopRequest() as stop:
-            result = train(config, resume=args.resume, stop=stop)
+            result = train(config, resume=args.resume, stop=stop, on_node_lost=end_for_lost_node)
     except (ConfigError, DataError) as err:
         print(f"error: {err}", file=sys.stderr)
         return TrainExit.BAD_INPUT
     except CheckpointWriteError as err:  # the run's last checkpoint, saved in this thread
         print(f"error: {err}", file=sys.stderr, flush=True)
         return TrainExit.CHECKPOINT_WRITE
+    except NodeLost as err:  # joining, the start's checks, or the end's wait
+        end_for_lost_node(str(err))
     except PipelineError as err:  # a thread failed: one line for a known cause, else its traceback and a line
         code, line = thread_failure(err, config)
         if code in (TrainExit.FAILED, TrainExit.INTERRUPTED):
