@@ -165,6 +165,7 @@ class Nodes:
         self.timeouts = timeouts
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.first_step: int | None = None  # the first step's collectives wait out everyone's warm-up
+        self._all_reduce_spans: list[tuple[Any, Any]] = []  # per step since the last take: (start, end) marks
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # the object collectives use the current device
         try:
@@ -245,11 +246,32 @@ class Nodes:
         """Sum `tensors` (this node's summed gradients, on self.device) over the nodes, in place, in flat
         buckets of one dtype."""
         group = self._group(step)
+        start = self._mark()
         for bucket in _buckets(tensors, _BUCKET_BYTES):
             flat = torch._utils._flatten_dense_tensors(bucket)
             self._collective(f"step {step + 1}'s gradient all-reduce", dist.all_reduce, flat, group=group)
             for tensor, summed in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
                 tensor.copy_(summed)
+        self._all_reduce_spans.append((start, self._mark()))
+
+    def _mark(self) -> Any:
+        """A point in time on this thread's stream (CUDA: the collectives' waits are on it, the host does not
+        wait), or on the host's clock."""
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def take_all_reduce_ms(self) -> float | None:
+        """The gradient all-reduce's mean time a step (ms) since the previous call; None when none ran. Called
+        after the steps' streams synchronized (every step ends so), so their CUDA events are done."""
+        spans, self._all_reduce_spans = self._all_reduce_spans, []
+        if not spans:
+            return None
+        if self.device.type == "cuda":
+            return sum(start.elapsed_time(end) for start, end in spans) / len(spans)
+        return 1000 * sum(end - start for start, end in spans) / len(spans)
 
     def gather(self, value: Any, what: str) -> list[Any]:
         """Every node's `value` (small, picklable), in rank order."""

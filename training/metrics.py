@@ -15,7 +15,7 @@ busy fraction of the window) and `queue_depth` (`mean`, `max`, `bound`). The fir
 and every candidate's prediction and memory), and every record `predicted_tokens_per_s`. Evaluations add
 `acceptance_length`. In a multi-node run (training/distributed.py) node 0's records count every node:
 `tokens_per_s` and `tflops_per_s` are the run's, and `nodes` lists each node's own (`node`, `tokens_per_s`,
-`tflops_per_s`, `busy`); each other node writes the same records with its own figures (and `node`), for gpuctl
+`tflops_per_s`, `busy`, and `all_reduce_ms`: its gradient all-reduce's mean time a step over the window); each other node writes the same records with its own figures (and `node`), for gpuctl
 status, and no evaluation.
 """
 

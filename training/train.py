@@ -512,8 +512,8 @@ class StepLog:
         spread = {}
         if self.nodes is not None:
             mine = {"node": self.nodes.rank, "tokens_per_s": round(tokens_per_s, 1), "tflops_per_s": tflops_per_s,
-                    "busy": utilisation.as_metrics()["busy"]}
-            spread = {"node": self.nodes.rank}
+                    "busy": utilisation.as_metrics()["busy"], "all_reduce_ms": self.nodes.take_all_reduce_ms()}
+            spread = {"node": self.nodes.rank, "all_reduce_ms": mine["all_reduce_ms"]}
             everyone = self.nodes.gather(mine, f"step {report.step}'s metrics")
             if self.nodes.leader:
                 tokens_per_s = sum(node["tokens_per_s"] for node in everyone)

@@ -164,3 +164,11 @@ def test_layout_runs_drives_the_trainer_in_its_smoke_form(tmp_path):
     assert [r["layout"] for r in summary["runs"]] == ["colocated", "auto"]
     assert all(r["steps"] == 2 and r["tokens_per_s"] > 0 for r in summary["runs"])
     assert summary["runs"][1]["predicted_tokens_per_s"] > 0 and "auto's trial" in result.stdout
+
+
+def test_allreduce_bench_runs_two_nodes_on_the_cpu():
+    done = subprocess.run([sys.executable, "bench/allreduce_bench.py", "--shape", "small", "--steps", "1"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "| this machine | 2 | gloo (loopback) |" in done.stdout
+    assert "| InfiniBand NDR 400 Gb/s" in done.stdout

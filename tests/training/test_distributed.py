@@ -119,7 +119,7 @@ def test_two_nodes_train_what_one_process_trains(one_node, two_nodes):
     last = records(node0 / "metrics.jsonl")[-1]
     assert [n["node"] for n in last["nodes"]] == [0, 1]
     assert last["tokens_per_s"] == pytest.approx(sum(n["tokens_per_s"] for n in last["nodes"]))
-    assert all(n["busy"] for n in last["nodes"])
+    assert all(n["busy"] and n["all_reduce_ms"] > 0 for n in last["nodes"])
 
 
 def test_a_resumed_two_node_run_gets_node_0s_checkpoint_and_continues_exactly(tiny_world, tmp_path, one_node,
