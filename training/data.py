@@ -280,6 +280,12 @@ class BatchStream:
             anchors.append(draw_anchors(self.sequences[index], self.block_size, self.num_anchors, rng))
         return collate(chosen, anchors, self.batch_size, self.buckets, self.num_anchors, self.pad_id)
 
+    def skip(self) -> None:
+        """Move past the next batch without making it (another node's, in a multi-node run): its anchors come
+        from a generator of its own, so what follows is what follows next()."""
+        for _ in range(self.batch_size):
+            self._next_index()
+
     def state_dict(self) -> dict:
         return {"seed": self.seed, "epoch": self.epoch, "position": self.position}
 

@@ -272,8 +272,8 @@ class StepBatches:
     targets read ahead, so a checkpoint after step s needs the state from before step s + 1's first
     micro-batch, not the stream's current one. The micro-batches of `nan_steps` (numbered as logged, from 1)
     come as NanLossBatch. In a multi-node run, `share` is the indices of each step's micro-batches this node
-    computes: every node reads the whole stream (so every node's data position is the run's) and passes on
-    only its own, counting only their tokens."""
+    computes: every node moves through the whole stream (so every node's data position is the run's), makes
+    only its own micro-batches (skipping the others' costs an index each) and counts only their tokens."""
 
     def __init__(self, stream: BatchStream, per_step: int, start_step: int,
                  flops_of: Callable[[Batch], float] | None = None, nan_steps: Iterable[int] = (),
@@ -294,13 +294,14 @@ class StepBatches:
                 with self._lock:
                     if index == 0:
                         self._state_before[step] = self.stream.state_dict()
-                    batch = next(self.stream)
                     if index not in self.share:
+                        self.stream.skip()
                         continue
+                    batch = next(self.stream)
                     self._tokens[step] = self._tokens.get(step, 0) + batch.num_tokens
-                    if index == last_own:  # the step's later micro-batches are other nodes': read past them now
+                    if index == last_own:  # the step's later micro-batches are other nodes': move past them now
                         for _ in range(last_own + 1, self.per_step):
-                            next(self.stream)
+                            self.stream.skip()
                 flops = self.flops_of(batch) if self.flops_of is not None else 0.0
                 with self._lock:
                     self._flops[step] = self._flops.get(step, 0.0) + flops

@@ -96,6 +96,18 @@ def test_stream_resumes_exactly_and_redraws_anchors_each_epoch():
     assert not torch.equal(epoch0.anchors[0], epoch1.anchors[row_in_epoch1])
 
 
+def test_skipping_a_batch_leaves_the_stream_where_making_it_would():
+    made, skipped = make_stream(), make_stream()
+    for i in range(9):  # across epochs (10 sequences, 3 per batch)
+        want = next(made)
+        if i % 3 == 1:  # another node's batch
+            skipped.skip()
+            continue
+        got = next(skipped)
+        assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.anchors, want.anchors)
+    assert skipped.state_dict() == made.state_dict()
+
+
 def test_bad_data_lines_are_one_line_errors(tmp_path):
     path = tmp_path / "data.jsonl"
     path.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"nope": 1}\n')
