@@ -122,10 +122,10 @@ def test_two_nodes_train_what_one_process_trains(one_node, two_nodes):
     assert all(n["busy"] and n["all_reduce_ms"] > 0 for n in last["nodes"])
 
 
-def test_a_resumed_two_node_run_gets_node_0s_checkpoint_and_continues_exactly(tiny_world, tmp_path, one_node,
-                                                                            two_nodes):
-    # Node 0 has only step 4's checkpoint; node 1 nothing at all (another host's disk).
-    shutil.copytree(two_nodes[0] / "checkpoints" / "step_00000004",
+def test_a_one_node_checkpoint_resumes_on_two_nodes_sent_by_node_0_and_continues_exactly(tiny_world, tmp_path,
+                                                                                       one_node):
+    # Node 0 has only step 4's checkpoint, from the one-node run; node 1 nothing at all (another host's disk).
+    shutil.copytree(one_node / "checkpoints" / "step_00000004",
                     tmp_path / "resumed-node0" / "checkpoints" / "step_00000004")
     procs, outputs, logs = start_nodes(tiny_world, tmp_path, "resumed", [[], []], resume=True)
     codes = wait_all(procs)
@@ -135,6 +135,17 @@ def test_a_resumed_two_node_run_gets_node_0s_checkpoint_and_continues_exactly(ti
     assert_close(losses(outputs[0] / "metrics.jsonl"), want)
     assert_close(losses(outputs[1] / "metrics.node1.jsonl"), want)
     assert not (outputs[1] / ".from-node0").exists()  # the received copy is gone once loaded
+
+
+def test_a_two_node_checkpoint_resumes_on_one_node_to_the_same_losses(tiny_world, tmp_path, one_node, two_nodes):
+    out = tmp_path / "one"
+    shutil.copytree(two_nodes[0] / "checkpoints" / "step_00000004", out / "checkpoints" / "step_00000004")
+    done = subprocess.run([sys.executable, "-m", "training.train", *trainer_args(tiny_world, out, resume=True)],
+                          cwd=REPO, capture_output=True, text=True, timeout=240,
+                          env={k: v for k, v in os.environ.items() if k != "GPUCTL_METRICS"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    want = {step: loss for step, loss in losses(one_node / "metrics.jsonl").items() if step > 4}
+    assert_close(losses(out / "metrics.jsonl"), want)
 
 
 def test_other_data_on_node_1_is_refused_at_start_on_every_node(tiny_world, tmp_path):
