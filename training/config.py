@@ -101,6 +101,7 @@ class TrainConfig:
     node_start_timeout_s: float = 120.0  # every node must join within this, else every node stops
     node_sync_timeout_s: float = 1800.0  # waits around uneven work: warm-up, node 0's checkpoints, eval, export
     node_timeout_s: float = 300.0  # steady-state steps; also a node silent this long is lost
+    node_backend: str = "auto"  # auto = NCCL between GPUs, gloo on the CPU; gloo also works between GPUs (slower)
 
     # Tests only.
     debug_nan_steps: list[int] = field(default_factory=list)  # steps (numbered as logged) whose loss is made NaN
@@ -134,6 +135,8 @@ class TrainConfig:
         if self.on_checkpoint_error not in ON_CHECKPOINT_ERROR:
             raise ConfigError(f"on_checkpoint_error must be one of {', '.join(ON_CHECKPOINT_ERROR)}, got "
                               f"{self.on_checkpoint_error!r}")
+        if self.node_backend not in ("auto", "nccl", "gloo"):
+            raise ConfigError(f"node_backend must be one of auto, nccl, gloo, got {self.node_backend!r}")
         if self.attention not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention!r}")
         buckets = self.buckets()

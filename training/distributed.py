@@ -159,11 +159,16 @@ class Nodes:
     Every collective is called in the same order on every node; a failed one raises NodeLost naming the node
     that went, when the heartbeats tell."""
 
-    def __init__(self, env: NodeEnv, device: torch.device, timeouts: Timeouts, on_lost: Callable[[str], None]):
+    def __init__(self, env: NodeEnv, device: torch.device, timeouts: Timeouts, on_lost: Callable[[str], None],
+                 backend: str = "auto"):
         self.rank, self.world_size, self.env = env.rank, env.world_size, env
         self.device = device if device.type == "cuda" else torch.device("cpu")
         self.timeouts = timeouts
-        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        # auto: NCCL between GPUs, gloo on the CPU. gloo also sums CUDA tensors (through the host: slower),
+        # which lets two nodes share one GPU, where NCCL refuses two ranks.
+        self.backend = ("nccl" if self.device.type == "cuda" else "gloo") if backend == "auto" else backend
+        if self.backend == "nccl" and self.device.type != "cuda":
+            raise ConfigError("node_backend=nccl needs the drafter replicas on GPUs; use gloo (or auto) on the CPU")
         self.first_step: int | None = None  # the first step's collectives wait out everyone's warm-up
         self._all_reduce_spans: list[tuple[Any, Any]] = []  # per step since the last take: (start, end) marks
         if self.device.type == "cuda":
@@ -183,6 +188,11 @@ class Nodes:
         self.heartbeat = Heartbeat(beat_store, env.rank, env.world_size, timeouts.step_s, on_lost)
         self._collective("start", dist.barrier, group=self._sync_group)  # every node's counter exists now
         self.heartbeat.start()
+
+    @property
+    def comm_device(self) -> torch.device:
+        """Where the small tensors of agree/sum_numbers and the checkpoint's chunks go: the GPU for NCCL."""
+        return self.device if self.backend == "nccl" else torch.device("cpu")
 
     @property
     def leader(self) -> bool:
@@ -230,7 +240,7 @@ class Nodes:
 
     def agree(self, step: int, complete: bool, stop: bool) -> tuple[bool, bool]:
         """Whether every node finished the step's micro-batches, and whether any asks to stop after it."""
-        flags = torch.tensor([0.0 if complete else 1.0, 1.0 if stop else 0.0], device=self.device)
+        flags = torch.tensor([0.0 if complete else 1.0, 1.0 if stop else 0.0], device=self.comm_device)
         self._collective(f"step {step + 1}'s start of the update", dist.all_reduce, flags, group=self._group(step))
         incomplete, stops = flags.tolist()
         return incomplete == 0, stops > 0
@@ -238,7 +248,7 @@ class Nodes:
     def sum_numbers(self, step: int, values: list[float]) -> list[float]:
         """The sum over nodes of a few numbers (the step's loss and metric sums)."""
         numbers = torch.tensor(values, dtype=torch.float64 if self.backend == "gloo" else torch.float32,
-                               device=self.device)
+                               device=self.comm_device)
         self._collective(f"step {step + 1}'s loss sum", dist.all_reduce, numbers, group=self._group(step))
         return numbers.tolist()
 
@@ -321,9 +331,9 @@ class Nodes:
                 for start in range(0, size, _FILE_CHUNK_BYTES):
                     length = min(_FILE_CHUNK_BYTES, size - start)
                     if self.leader:
-                        chunk = torch.frombuffer(bytearray(file.read(length)), dtype=torch.uint8).to(self.device)
+                        chunk = torch.frombuffer(bytearray(file.read(length)), dtype=torch.uint8).to(self.comm_device)
                     else:
-                        chunk = torch.empty(length, dtype=torch.uint8, device=self.device)
+                        chunk = torch.empty(length, dtype=torch.uint8, device=self.comm_device)
                     self._collective(f"sending checkpoint file {name}", dist.broadcast, chunk, src=0,
                                      group=self._sync_group)
                     if not self.leader:

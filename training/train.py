@@ -757,7 +757,7 @@ def train(config: TrainConfig, resume: bool = False, stop: StopRequest | None = 
         micro_batch_share(config.micro_batches_per_step(), env.rank, env.world_size)  # refused before joining
         say(f"node {env.rank} of {env.world_size}: joining node 0 at {env.master_addr}:{env.master_port}")
         nodes = Nodes(env, torch.device(layout.replica_devices[0]) if layout else devices[0], timeouts_of(config),
-                      on_node_lost or (lambda line: None))
+                      on_node_lost or (lambda line: None), config.node_backend)
     try:
         result = _train(config, resume, stop, layout, devices, backend, dtype, nodes)
     except BaseException:
