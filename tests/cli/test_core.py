@@ -80,8 +80,10 @@ def test_broken_config_file_is_a_usage_error(xdg):
 
 def test_scripts_quote_every_value_and_refuse_missing_ones():
     rendered = scripts.render("run.sh", stage_dir="/root/gpuctl", workdir="/w d", python="py",
-                              module="training.train", config="a'b", sets=["k=$(x)"], resume=False, takes_resume=True)
+                              module="training.train", config="a'b", sets=["k=$(x)"], resume=False, takes_resume=True,
+                              env=[("NCCL_DEBUG", "$(y) z")], rendezvous=[])
     assert "cd '/w d'" in rendered
+    assert "export NCCL_DEBUG='$(y) z'" in rendered
     assert "--config 'a'\"'\"'b' --set 'k=$(x)' \"$@\"" in rendered  # "$@": a --retry attempt's --resume
     with pytest.raises(jinja2.UndefinedError):
         scripts.render("run.sh", stage_dir="/root/gpuctl")
