@@ -157,8 +157,11 @@ def launch(
                                   log_dir=log_dir, keep_compile_cache=keep_compile_cache, replace=replace,
                                   resume=None if resume is None else parse_run_ref(resume or None), task=task,
                                   retry=retry, retry_delay=retry_delay, env=env or [])
-    nodes = resolve_nodes(flags, node, cluster_name) if node or cluster_name else None
-    if nodes and len(nodes) > 1:
+    if node or cluster_name:
+        nodes = resolve_nodes(flags, node, cluster_name)
+    else:  # after a multi-node run, a launch without options is on its nodes again
+        nodes = (remembered_nodes(flags) or ([], 0))[0]
+    if len(nodes) > 1:
         return _launch_nodes(nodes, opts, stats, master_addr, master_port, follow, dry_run, json_)
     if master_addr is not None or master_port is not None:
         raise usage_error("--master-addr and --master-port are for a multi-node run (two --node or more)")
@@ -180,8 +183,8 @@ def launch(
 
 def _launch_nodes(nodes: list[Target], opts: commands.LaunchOptions, stats: ssh.Stats, master_addr: str | None,
                   master_port: int | None, follow: bool, dry_run: bool, json_: bool) -> int:
-    cluster.check_cluster_options(nodes, opts)
     port = cluster.DEFAULT_MASTER_PORT if master_port is None else master_port
+    cluster.check_cluster_options(nodes, opts, master_addr, port)
     if dry_run:
         sys.stdout.write(cluster.plan_launch(nodes, opts, master_addr, port))
         return ExitCode.OK

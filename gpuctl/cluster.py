@@ -122,8 +122,12 @@ class ClusterLaunch:
         return f"tl{self.number}"
 
 
-def check_cluster_options(targets: list[Target], opts: LaunchOptions) -> None:
-    """What a multi-node launch cannot do yet: usage errors before any connection."""
+def check_cluster_options(targets: list[Target], opts: LaunchOptions, master_addr: str | None,
+                          master_port: int) -> None:
+    """A multi-node launch's options, checked before any connection (and what it cannot do yet)."""
+    commands.check_launch_options(opts)
+    check_master_addr(master_addr)
+    check_master_port(master_port)
     if len(targets) < 2:
         raise usage_error("a multi-node run needs at least two nodes (one container is a plain launch)")
     if opts.retry:
@@ -255,9 +259,11 @@ def combined_state(nodes: list[tuple[Node, Run | None, str | None]]) -> tuple[St
     missing = [(node, why) for node, run, why in nodes if not run]
     if not runs:
         return None, None
-    for node, run in runs:
-        if run.state == State.KILLED:
-            return State.KILLED, f"{node.describe()} was killed (SIG{run.record.get('killed_signal') or 'KILL'})"
+    killed = [(node, run) for node, run in runs if run.state == State.KILLED]
+    if killed:  # by `gpuctl kill` of the run (every node), or one node's by hand (then say which)
+        node, run = killed[0]
+        return State.KILLED, (None if len(killed) == len(nodes) else
+                              f"{node.describe()} was killed (SIG{run.record.get('killed_signal') or 'KILL'})")
     for node, run in runs:
         if run.state in (State.FAILED, State.LOST):
             exit_code = f" (exit {run.exit_code})" if run.exit_code is not None else ""

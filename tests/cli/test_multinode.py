@@ -8,6 +8,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+from pathlib import Path
 
 import pytest
 from tenacity import retry, stop_after_delay, wait_fixed
@@ -127,3 +129,59 @@ def test_a_cluster_of_config_toml_across_two_hosts_through_proxyjump(two_hosts):
     runs = nodes.gpuctl("runs", "--json")
     assert runs.code == 0, runs.stderr
     assert [(r["run_id"], len(r["nodes"])) for r in runs.json()] == [("tl1", 2)]
+
+
+def test_an_unreachable_node_is_shown_and_kill_still_ends_the_others(two_hosts, second_host):
+    nodes = two_hosts
+    launched = nodes.launch_fake(*LONG, extra=("--master-addr", "127.0.0.1"))
+    assert launched.code == 0, launched.stderr
+    status_until(nodes, state="running")
+    config = Path(nodes.gpuctl.env["GPUCTL_SSH_CONFIG"])
+    reachable = config.read_text()
+    # node 1's host goes away: nothing listens where the ssh_config sends it
+    config.write_text(reachable.replace(f"Port {second_host.port}", "Port 9"))
+    result = nodes.gpuctl("status", "--json")
+    assert result.code == 3, result.stderr
+    doc = result.json()
+    assert doc["state"] == "failed" and doc["reason"].startswith(f"node 1 (CT {nodes.nodes[1][1]} on pve2) is lost")
+    assert [n["state"] for n in doc["nodes"]] == ["running", None]
+    assert "cannot reach 127.0.0.1:9" in doc["nodes"][1]["error"]
+    killed = nodes.gpuctl("kill", "--grace", "5")
+    assert killed.code == 3 and "node 1" in killed.stderr
+    assert "node 0" in killed.stdout and "killed tl1" in killed.stdout
+    assert nodes.processes(0) == [] and nodes.processes(1) != []
+    config.write_text(reachable)  # back: the kill reaches node 1 too
+    assert nodes.gpuctl("kill", "--grace", "5").code == 0
+    assert nodes.processes(1) == []
+    assert nodes.gpuctl.status()["state"] == "killed"
+
+
+def test_master_addr_defaults_to_node_0s_address_and_an_explicit_target_is_one_container(two_containers):
+    nodes = two_containers
+    launched = nodes.launch_fake("steps=1", "env=")
+    assert launched.code == 0, launched.stderr
+    addr = launched.json()["master_addr"]
+    addresses = subprocess.run(["hostname", "-I"], capture_output=True, text=True, check=False).stdout.split()
+    assert addr == (addresses[0] if addresses else "127.0.0.1")
+    assert seen_env(nodes, 0)["MASTER_ADDR"] == seen_env(nodes, 1)["MASTER_ADDR"] == addr
+    assert seen_env(nodes, 1)["MASTER_PORT"] == "29500"
+    assert "gpuctl: node 0 of 2" in nodes.gpuctl("logs").stdout  # node 0's log by default
+    one = nodes.gpuctl("status", "--json", nodes.nodes[1][2])  # an explicit target: that container, as before
+    assert one.code == 0 and "nodes" not in one.json() and one.json()["container"]["ctid"] == nodes.nodes[1][1]
+    again = nodes.gpuctl("launch", "--python", "fake-trainer", "--json", "--set", "fake.steps=1", "--master-addr", "127.0.0.1")
+    assert again.code == 0, again.stderr  # no options: the remembered nodes again
+    assert [n["run_id"] for n in again.json()["nodes"]] == ["tl2", "tl2"]
+
+
+def test_env_for_a_single_container_and_bad_env_is_one_line(gpuctl):
+    launched = gpuctl.launch_fake("steps=1", "env=HF_HOME", extra=("--env", "HF_HOME=/data/hf cache"))
+    assert launched.code == 0, launched.stderr
+    log = gpuctl.path("/workspace/train_tl1.log").read_text()
+    assert 'env: {"RANK": null, "WORLD_SIZE": null, "MASTER_ADDR": null, "MASTER_PORT": null, ' \
+           '"HF_HOME": "/data/hf cache"}' in log
+    for bad in ("1X=2", "NOEQUALS", "RANK=3", "A-B=1"):
+        refused = gpuctl("launch", "--python", "fake-trainer", "--env", bad)
+        assert refused.code == 2, (bad, refused.stderr)
+        assert refused.stderr.count("\n") == 1 and "--env" in refused.stderr
+    refused = gpuctl("launch", "--master-port", "29501")
+    assert refused.code == 2 and "multi-node" in refused.stderr
