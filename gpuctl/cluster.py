@@ -301,7 +301,8 @@ class ClusterStatus:
         """Node 0's status document, with the run's state over every node, why, and each node's own."""
         first = self.nodes[0]
         doc = first.report.to_json() if first.report else dict.fromkeys(("run_id", "pid", "started_at", "log_path",
-                                                                         "progress", "gpus", "container"))
+                                                                         "progress", "container"))
+        doc.setdefault("gpus", [])
         state, reason = self.state()
         doc.update(run_id=f"tl{self.number}", state=state.value if state else None, exit_code=self.exit_code(),
                    reason=reason, nodes=[n.to_json() for n in self.nodes])

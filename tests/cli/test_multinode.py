@@ -185,3 +185,19 @@ def test_env_for_a_single_container_and_bad_env_is_one_line(gpuctl):
         assert refused.stderr.count("\n") == 1 and "--env" in refused.stderr
     refused = gpuctl("launch", "--master-port", "29501")
     assert refused.code == 2 and "multi-node" in refused.stderr
+
+
+def test_a_node_that_fails_to_start_has_the_others_killed(two_containers):
+    """Every node said yes, then node 1's staging failed (its package cannot be switched in): the run that
+    started on node 0 is killed, and the launch fails saying so."""
+    nodes = two_containers
+    stuck = nodes.path(1, "/root/gpuctl/current")
+    stuck.mkdir(parents=True)
+    (stuck / "in-the-way").write_text("a directory where the package link goes\n")
+    failed = nodes.launch_fake(*LONG, extra=("--master-addr", "127.0.0.1"))
+    assert failed.code == 1, failed.stderr
+    assert "node 1" in failed.stderr and "cannot switch" in failed.stderr
+    assert "the run was killed on every node" in failed.stderr and failed.stdout == ""
+    assert nodes.processes(0) == [] and nodes.processes(1) == []
+    one = nodes.gpuctl("status", "--json", nodes.nodes[0][2])  # every node's start is over before the undo
+    assert (one.json()["run_id"], one.json()["state"]) == ("tl1", "killed"), one.stdout
