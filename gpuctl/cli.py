@@ -284,9 +284,9 @@ def _status_nodes(targets: list[Target], last: int, number: int, stats: ssh.Stat
     """status over a multi-node run's nodes: a row each, the run's state over all of them."""
     with cluster.connected(targets, stats) as nodes:
         if watch:
-            _watch(lambda: render.cluster_status_renderable(cluster.status(nodes, number or last)), interval)
+            _watch(lambda: render.status_renderable(cluster.status(nodes, number or last)), interval)
         report = cluster.status(nodes, number or last)
-    render.cluster_status(report, as_json=json_)
+    render.status_report(report, as_json=json_)
     unreadable = report.unreadable()
     if unreadable:
         raise unreadable

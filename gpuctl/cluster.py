@@ -157,9 +157,10 @@ def launch(nodes: list[Node], opts: LaunchOptions, master_addr: str | None, mast
     node. Should a node fail to start after that, the runs started on the others are killed."""
     opts, config_file = commands.check_launch_options(opts)
     check_master_addr(master_addr)
+    check_master_port(master_port)
     specs = tuple(node.target.spec() for node in nodes)
-    roles = [NodeRole(rank=node.index, nodes=specs, master_port=check_master_port(master_port),
-                      master_addr=master_addr) for node in nodes]
+    roles = [NodeRole(rank=node.index, nodes=specs, master_port=master_port, master_addr=master_addr)
+             for node in nodes]
 
     def say(node: Node) -> Notify:
         return lambda text: notify(f"node {node.index}: {text}")
@@ -411,11 +412,11 @@ def list_runs(nodes: list[Node]) -> tuple[list[ClusterRun], list[GpuctlError]]:
 def plan_launch(targets: list[Target], opts: LaunchOptions, master_addr: str | None, master_port: int) -> str:
     """What `launch --node ... --dry-run` shows: each node's launch, as `launch --dry-run` shows one."""
     check_master_addr(master_addr)
+    check_master_port(master_port)
     specs = tuple(t.spec() for t in targets)
     plans = []
     for rank, target in enumerate(targets):
-        role = NodeRole(rank=rank, nodes=specs, master_port=check_master_port(master_port),
-                        master_addr=master_addr or "<node 0's address>")
+        role = NodeRole(rank=rank, nodes=specs, master_port=master_port, master_addr=master_addr or "<node 0's address>")
         plans.append(f"# node {rank} of {len(targets)}: {target.describe()}\n"
                      + commands.plan_launch(target, replace(opts, node=role)))
     return "\n".join(plans)

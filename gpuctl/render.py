@@ -165,7 +165,9 @@ def _retry_text(run: Run) -> str:
     return text
 
 
-def status_renderable(report: StatusReport) -> RenderableType:
+def status_renderable(report: StatusReport | ClusterStatus) -> RenderableType:
+    if isinstance(report, ClusterStatus):  # a multi-node run: a row per node
+        return cluster_status_renderable(report)
     running = report.container_status == "running"
     parts: list[RenderableType] = [Text.assemble(
         ("CT ", "bold"), (str(report.ctid), "bold"), f" on {report.host}: ",
@@ -189,7 +191,7 @@ def status_renderable(report: StatusReport) -> RenderableType:
     return Group(*parts)
 
 
-def status_report(report: StatusReport, as_json: bool) -> None:
+def status_report(report: StatusReport | ClusterStatus, as_json: bool) -> None:
     if as_json:
         json_doc(report.to_json())
     else:
@@ -389,12 +391,6 @@ def cluster_status_renderable(report: ClusterStatus) -> RenderableType:
     parts.append(table)
     return Group(*parts)
 
-
-def cluster_status(report: ClusterStatus, as_json: bool) -> None:
-    if as_json:
-        json_doc(report.to_json())
-    else:
-        _console(stderr=False).print(cluster_status_renderable(report))
 
 
 def cluster_runs(runs: list[ClusterRun], as_json: bool) -> None:

@@ -265,7 +265,10 @@ def remembered_nodes(flags: TargetFlags, env: dict[str, str] | None = None) -> t
         doc = json.loads((paths.state_dir() / REMEMBERED).read_text())
         nodes, number = doc["nodes"], int(doc["run"])
         common = _common(flags, env)
-        return [_target(_validated(node, "remembered node") | common, flags) for node in nodes], number
+        # A node's own user and port stay its own; the key and ssh_config asked for now apply to every node.
+        below = {k: v for k, v in common.items() if k in ("user", "port")}
+        above = {k: v for k, v in common.items() if k not in below}
+        return [_target(below | _validated(node, "remembered node") | above, flags) for node in nodes], number
     except (OSError, ValueError, KeyError, TypeError, GpuctlError):
         return None  # a single target remembered, or nothing: resolve() goes on as before
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,11 +123,15 @@ class Gpuctl:
         return self.host.path_in(self.ctid, path)
 
 
-@pytest.fixture(scope="session")
-def standin(tmp_path_factory) -> StandInHost:
-    host = StandInHost(tmp_path_factory.mktemp("standin")).start()
+def started_host(tmp_path_factory, name: str) -> Iterator[StandInHost]:
+    host = StandInHost(tmp_path_factory.mktemp(name)).start()
     yield host
     host.stop()
+
+
+@pytest.fixture(scope="session")
+def standin(tmp_path_factory) -> StandInHost:
+    yield from started_host(tmp_path_factory, "standin")
 
 
 @pytest.fixture
@@ -200,9 +205,7 @@ def two_containers(standin: StandInHost, tmp_path: Path) -> NodeSet:
 @pytest.fixture(scope="session")
 def second_host(tmp_path_factory) -> StandInHost:
     """A second stand-in host (its own sshd on 127.0.0.1, its own containers)."""
-    host = StandInHost(tmp_path_factory.mktemp("standin2")).start()
-    yield host
-    host.stop()
+    yield from started_host(tmp_path_factory, "standin2")
 
 
 @pytest.fixture
