@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.sandbox import ALIAS, StandInHost
+from tests.sandbox.host import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 _ctids = itertools.count(200)
@@ -165,6 +166,12 @@ class NodeSet:
 
     def node_args(self) -> list[str]:
         return [arg for _, _, spec in self.nodes for arg in ("--node", spec)]
+
+    @staticmethod
+    def rendezvous_args() -> list[str]:
+        """The stand-in shares this machine's network (a container has no address of its own): node 0 on
+        127.0.0.1 at a free port, gloo on the loopback interface (DESIGN §8)."""
+        return ["--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--env", "GLOO_SOCKET_IFNAME=lo"]
 
     def path(self, k: int, path: str) -> Path:
         host, ctid, _ = self.nodes[k]

@@ -66,7 +66,7 @@ def test_two_nodes_share_a_run_id_and_a_rendezvous(two_containers):
 
 def test_node_1_failing_fails_the_run_naming_it(two_containers):
     nodes = two_containers
-    launched = nodes.launch_fake(*LONG, "fail_rank=1", extra=("--master-addr", "127.0.0.1"))
+    launched = nodes.launch_fake(*LONG, "fail_rank=1", extra=tuple(nodes.rendezvous_args()))
     assert launched.code == 0, launched.stderr
     doc = status_until(nodes, state="failed")
     assert doc["reason"].startswith(f"node 1 (CT {nodes.nodes[1][1]} on ") and "failed (exit 1)" in doc["reason"]
@@ -83,7 +83,7 @@ def test_a_lock_held_on_node_1_starts_nothing_anywhere(two_containers):
     nodes.path(1, "/workspace/.gpuctl").mkdir(parents=True)
     holder = host.start_detached(ctid, "flock /workspace/.gpuctl/launch.lock sleep 300")
     lock_held(nodes.path(1, "/workspace/.gpuctl/launch.lock"))
-    refused = nodes.launch_fake("steps=1", extra=("--master-addr", "127.0.0.1"))
+    refused = nodes.launch_fake("steps=1", extra=tuple(nodes.rendezvous_args()))
     assert refused.code == 5, refused.stderr
     assert "node 1" in refused.stderr and "another launch holds" in refused.stderr
     assert "nothing was started on any node" in refused.stderr
@@ -100,7 +100,7 @@ def test_a_stopped_container_on_node_1_starts_nothing(two_containers):
     nodes = two_containers
     host, ctid, _ = nodes.nodes[1]
     host.pct("stop", str(ctid))
-    refused = nodes.launch_fake("steps=1", extra=("--master-addr", "127.0.0.1"))
+    refused = nodes.launch_fake("steps=1", extra=tuple(nodes.rendezvous_args()))
     assert refused.code == 4, refused.stderr
     assert "node 1" in refused.stderr and "not running" in refused.stderr
     assert not list(nodes.path(0, "/workspace/.gpuctl").glob("tl*.json"))
@@ -133,7 +133,7 @@ def test_a_cluster_of_config_toml_across_two_hosts_through_proxyjump(two_hosts):
 
 def test_an_unreachable_node_is_shown_and_kill_still_ends_the_others(two_hosts, second_host):
     nodes = two_hosts
-    launched = nodes.launch_fake(*LONG, extra=("--master-addr", "127.0.0.1"))
+    launched = nodes.launch_fake(*LONG, extra=tuple(nodes.rendezvous_args()))
     assert launched.code == 0, launched.stderr
     status_until(nodes, state="running")
     config = Path(nodes.gpuctl.env["GPUCTL_SSH_CONFIG"])
@@ -194,10 +194,23 @@ def test_a_node_that_fails_to_start_has_the_others_killed(two_containers):
     stuck = nodes.path(1, "/root/gpuctl/current")
     stuck.mkdir(parents=True)
     (stuck / "in-the-way").write_text("a directory where the package link goes\n")
-    failed = nodes.launch_fake(*LONG, extra=("--master-addr", "127.0.0.1"))
+    failed = nodes.launch_fake(*LONG, extra=tuple(nodes.rendezvous_args()))
     assert failed.code == 1, failed.stderr
     assert "node 1" in failed.stderr and "cannot switch" in failed.stderr
     assert "the run was killed on every node" in failed.stderr and failed.stdout == ""
     assert nodes.processes(0) == [] and nodes.processes(1) == []
     one = nodes.gpuctl("status", "--json", nodes.nodes[0][2])  # every node's start is over before the undo
     assert (one.json()["run_id"], one.json()["state"]) == ("tl1", "killed"), one.stdout
+
+
+def test_launch_follow_streams_node_0s_log_to_the_end(two_containers):
+    nodes = two_containers
+    followed = nodes.gpuctl("launch", *nodes.node_args(), *nodes.rendezvous_args(), "--python", "fake-trainer",
+                            "--set", "fake.steps=2", "--follow")
+    assert followed.code == 0, followed.stderr
+    assert followed.stdout.startswith("gpuctl: node 0 of 2, master 127.0.0.1:")
+    assert followed.stdout.splitlines()[-1] == "done, exit 0"
+    assert "started tl1 on 2 nodes" in followed.stderr
+    one = nodes.gpuctl("logs", "--node", "1")
+    assert one.code == 0 and one.stdout.startswith("gpuctl: node 1 of 2")
+    assert nodes.gpuctl("logs", "--node", "2").code == 2
