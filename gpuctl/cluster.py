@@ -249,13 +249,19 @@ class NodeStatus:
                 "container": ({"ctid": self.report.ctid, "status": self.report.container_status,
                                "host": self.report.host} if self.report else
                               {"ctid": self.node.target.ct, "status": None, "host": self.node.target.host}),
-                "error": self.problem()}
+                "last_line": self.last_line(), "error": self.problem()}
+
+    def last_line(self) -> str | None:
+        """The log's last line once the node's run ended (a trainer that fails says why there)."""
+        return self.report.last_line if self.run and not self.run.state.active else None
 
 
-def combined_state(nodes: list[tuple[Node, Run | None, str | None]]) -> tuple[State | None, str | None]:
+def combined_state(nodes: list[tuple[Node, Run | None, str | None]],
+                   last_lines: dict[int, str | None] | None = None) -> tuple[State | None, str | None]:
     """A multi-node run's one state from its nodes' (node, run, why there is no run): killed when any node was
     killed; failed when any failed or was lost, or cannot be read while others run; succeeded when all did;
-    running while every node runs (or some already finished well); and why, naming the node."""
+    running while every node runs (or some already finished well); and why, naming the node (with its log's
+    last line, from last_lines by node index, when known)."""
     runs = [(node, run) for node, run, _ in nodes if run]
     missing = [(node, why) for node, run, why in nodes if not run]
     if not runs:
@@ -268,7 +274,8 @@ def combined_state(nodes: list[tuple[Node, Run | None, str | None]]) -> tuple[St
     for node, run in runs:
         if run.state in (State.FAILED, State.LOST):
             exit_code = f" (exit {run.exit_code})" if run.exit_code is not None else ""
-            return State.FAILED, f"{node.describe()} {run.state.value}{exit_code}"
+            said = (last_lines or {}).get(node.index)
+            return State.FAILED, f"{node.describe()} {run.state.value}{exit_code}" + (f": {said}" if said else "")
     if missing:
         node, why = missing[0]
         if any(run.state.active for _, run in runs):
@@ -288,7 +295,8 @@ class ClusterStatus:
     number: int
 
     def state(self) -> tuple[State | None, str | None]:
-        return combined_state([(n.node, n.run, n.problem()) for n in self.nodes])
+        return combined_state([(n.node, n.run, n.problem()) for n in self.nodes],
+                              {n.node.index: n.last_line() for n in self.nodes})
 
     def exit_code(self) -> int | None:
         """The first failed node's exit code; once every node ended well, 0; else None."""
@@ -323,7 +331,7 @@ def status(nodes: list[Node], number: int) -> ClusterStatus:
     def read(node: Node) -> StatusReport:
         if node.error:
             raise node.error
-        return commands.status(node.ct, number)
+        return commands.status(node.ct, number, last_line=True)
 
     found = []
     for node, outcome in zip(nodes, on_each(nodes, read)):

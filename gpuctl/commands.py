@@ -542,6 +542,7 @@ class StatusReport:
     run: Run | None
     gpus: list[Gpu]
     losses: list[float] = field(default_factory=list)  # a sample of the run's losses, oldest first
+    last_line: str | None = None  # the log's last line (asked for: a multi-node run's node)
 
     def to_json(self) -> dict:
         keys = ("run_id", "state", "exit_code", "pid", "pgid", "started_at", "ended_at", "elapsed_s", "log_path",
@@ -553,17 +554,18 @@ class StatusReport:
         return doc
 
 
-def status(ct: Container, run_number: int = 0) -> StatusReport:
+def status(ct: Container, run_number: int = 0, last_line: bool = False) -> StatusReport:
     try:
-        inspection = inspect(ct, run_number, gpus=True, history=LOSS_HISTORY_POINTS)
+        inspection = inspect(ct, run_number, gpus=True, history=LOSS_HISTORY_POINTS, tail_lines=int(last_line))
     except ContainerNotRunning:
         return StatusReport(ctid=ct.ctid, host=ct.host, container_status="stopped", run=None, gpus=[])
     run = inspection.runs[0] if inspection.runs else None
     history = parse_metrics_lines(inspection.histories.get(run.number, b"")) if run else []
     by_step = {r["step"]: r["loss"] for r in history if isinstance(r.get("loss"), (int, float))}  # last line twice
     losses = [by_step[step] for step in sorted(by_step)]
+    tail = inspection.tails.get(run.number, b"").decode(errors="replace").strip() if run else ""
     return StatusReport(ctid=ct.ctid, host=ct.host, container_status="running", run=run,
-                        gpus=parse_gpus(inspection.gpus_csv), losses=losses)
+                        gpus=parse_gpus(inspection.gpus_csv), losses=losses, last_line=tail or None)
 
 
 def list_runs(ct: Container) -> list[Run]:

@@ -69,7 +69,9 @@ def test_node_1_failing_fails_the_run_naming_it(two_containers):
     launched = nodes.launch_fake(*LONG, "fail_rank=1", extra=tuple(nodes.rendezvous_args()))
     assert launched.code == 0, launched.stderr
     doc = status_until(nodes, state="failed")
-    assert doc["reason"].startswith(f"node 1 (CT {nodes.nodes[1][1]} on ") and "failed (exit 1)" in doc["reason"]
+    assert doc["reason"].startswith(f"node 1 (CT {nodes.nodes[1][1]} on ")
+    assert doc["reason"].endswith("failed (exit 1): error: fake failure on node 1")
+    assert doc["nodes"][1]["last_line"] == "error: fake failure on node 1" and doc["nodes"][0]["last_line"] is None
     assert [n["state"] for n in doc["nodes"]] == ["running", "failed"]
     assert doc["exit_code"] == 1
     assert "error: fake failure on node 1" in nodes.gpuctl("logs", "--node", "1").stdout
