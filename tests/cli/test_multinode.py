@@ -92,7 +92,10 @@ def test_a_lock_held_on_node_1_starts_nothing_anywhere(two_containers):
     assert not list(nodes.path(0, "/workspace/.gpuctl").glob("tl*.json"))
     assert not list(nodes.path(0, "/workspace").glob("train_tl*.log"))
     assert nodes.processes(0) == []
-    # node 0's launch lock is free again: a launch there goes through at once
+    free = subprocess.run(["flock", "-n", str(nodes.path(0, "/workspace/.gpuctl/launch.lock")), "true"], check=False)
+    assert free.returncode == 0  # node 0's launch lock was given back
+    assert not nodes.path(0, "/workspace/.gpuctl/launch.holder").exists()
+    # and a launch there goes through at once
     single = nodes.gpuctl("launch", "--python", "fake-trainer", "--set", "fake.steps=1", nodes.nodes[0][2])
     assert single.code == 0, single.stderr
     os.killpg(holder, signal.SIGKILL)
