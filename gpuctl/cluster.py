@@ -137,16 +137,14 @@ def check_cluster_options(targets: list[Target], opts: LaunchOptions, master_add
         raise usage_error("--resume is not supported for multi-node runs yet: launch the run again")
 
 
-def check_master_port(port: int) -> int:
+def check_master_port(port: int) -> None:
     if not 1 <= port <= 65535:
         raise usage_error(f"--master-port must be a number from 1 to 65535, got {port}")
-    return port
 
 
-def check_master_addr(addr: str | None) -> str | None:
+def check_master_addr(addr: str | None) -> None:
     if addr is not None and (not addr.strip() or any(c.isspace() or ord(c) < 32 for c in addr)):
         raise usage_error(f"--master-addr takes an address or host name, got {addr!r}")
-    return addr
 
 
 def launch(nodes: list[Node], opts: LaunchOptions, master_addr: str | None, master_port: int,
@@ -176,8 +174,8 @@ def launch(nodes: list[Node], opts: LaunchOptions, master_addr: str | None, mast
     pending = [p for p in outcomes if isinstance(p, PendingLaunch)]
     problem = _first_problem(nodes, outcomes)
     if problem is None and not opts.replace:
-        busy = next(((n, p) for n, p in zip(nodes, outcomes) if p.report.active), None)
-        problem = busy and busy[0].failed(commands.active_conflict(busy[1]))
+        busy = [(node, p) for node, p in zip(nodes, pending) if p.report.active]
+        problem = busy[0][0].failed(commands.active_conflict(busy[0][1])) if busy else None
     if problem is not None:
         on_each(pending, PendingLaunch.abort)  # every lock goes; nothing was started anywhere
         if isinstance(problem, GpuctlError):
@@ -202,7 +200,7 @@ def launch(nodes: list[Node], opts: LaunchOptions, master_addr: str | None, mast
     if problem is not None:
         _undo(nodes, number, notify)
         if isinstance(problem, GpuctlError):
-            raise GpuctlError(f"{problem}; the run was killed on every node", problem.code)
+            raise GpuctlError(f"{problem}; the run was killed on the nodes where it had started", problem.code)
         raise problem
     return ClusterLaunch(number=number, master_addr=addr, master_port=master_port, nodes=nodes, results=outcomes)
 

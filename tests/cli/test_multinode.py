@@ -202,7 +202,7 @@ def test_a_node_that_fails_to_start_has_the_others_killed(two_containers):
     failed = nodes.launch_fake(*LONG, extra=tuple(nodes.rendezvous_args()))
     assert failed.code == 1, failed.stderr
     assert "node 1" in failed.stderr and "cannot switch" in failed.stderr
-    assert "the run was killed on every node" in failed.stderr and failed.stdout == ""
+    assert "the run was killed on the nodes where it had started" in failed.stderr and failed.stdout == ""
     assert nodes.processes(0) == [] and nodes.processes(1) == []
     one = nodes.gpuctl("status", "--json", nodes.nodes[0][2])  # every node's start is over before the undo
     assert (one.json()["run_id"], one.json()["state"]) == ("tl1", "killed"), one.stdout
@@ -219,3 +219,14 @@ def test_launch_follow_streams_node_0s_log_to_the_end(two_containers):
     one = nodes.gpuctl("logs", "--node", "1")
     assert one.code == 0 and one.stdout.startswith("gpuctl: node 1 of 2")
     assert nodes.gpuctl("logs", "--node", "2").code == 2
+
+
+def test_an_active_run_on_node_1_starts_nothing(two_containers):
+    nodes = two_containers
+    busy = nodes.gpuctl("launch", nodes.nodes[1][2], "--python", "fake-trainer", *(f"--set=fake.{s}" for s in LONG))
+    assert busy.code == 0, busy.stderr
+    refused = nodes.launch_fake("steps=1", extra=tuple(nodes.rendezvous_args()))
+    assert refused.code == 5, refused.stderr
+    assert "node 1" in refused.stderr and "run tl1 is active" in refused.stderr
+    assert not list(nodes.path(0, "/workspace/.gpuctl").glob("tl*.json")) and nodes.processes(0) == []
+    assert nodes.gpuctl("kill", nodes.nodes[1][2], "--grace", "5").code == 0
