@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 from tenacity import retry, stop_after_delay, wait_fixed
 
+from tests.cli.conftest import Output
 from tests.cli.test_launch_lock import lock_held
+from tests.cli.test_status_and_plot import TERMINAL
 
 pytestmark = pytest.mark.sshd
 
@@ -230,3 +232,15 @@ def test_an_active_run_on_node_1_starts_nothing(two_containers):
     assert "node 1" in refused.stderr and "run tl1 is active" in refused.stderr
     assert not list(nodes.path(0, "/workspace/.gpuctl").glob("tl*.json")) and nodes.processes(0) == []
     assert nodes.gpuctl("kill", nodes.nodes[1][2], "--grace", "5").code == 0
+
+
+def test_status_watch_over_the_nodes_until_ctrl_c(two_containers):
+    nodes = two_containers
+    assert nodes.launch_fake("steps=3", extra=tuple(nodes.rendezvous_args())).code == 0
+    watcher = nodes.gpuctl.popen("status", "--watch", "--interval", "0.2", env=TERMINAL)
+    screen = Output(watcher)
+    screen.wait_for("on 2 nodes", timeout=60)
+    screen.wait_for("succeeded", timeout=60)
+    watcher.send_signal(signal.SIGINT)
+    _, err = screen.finish()
+    assert watcher.returncode == 130 and "stopped watching" in err and "Traceback" not in err
