@@ -153,14 +153,15 @@ def launch(
         raise usage_error("--json and --follow cannot be combined (the log goes to stdout)")
     if resume is not None and dry_run:
         raise usage_error("--dry-run cannot show a --resume (the resumed run's record is in the container)")
-    opts = commands.LaunchOptions(config=config, sets=set_ or [], python=python, workdir=workdir,
-                                  log_dir=log_dir, keep_compile_cache=keep_compile_cache, replace=replace,
-                                  resume=None if resume is None else parse_run_ref(resume or None), task=task,
-                                  retry=retry, retry_delay=retry_delay, env=env or [])
+    resumed = None if resume is None else parse_run_ref(resume or None)
     if node or cluster_name:
         nodes = resolve_nodes(flags, node, cluster_name)
-    else:  # after a multi-node run, a launch without options is on its nodes again
-        nodes = (remembered_nodes(flags) or ([], 0))[0]
+    else:  # after a multi-node run, a launch without options is on its nodes again (--resume: that run)
+        nodes, last = remembered_nodes(flags) or ([], 0)
+        resumed = last if resumed == 0 and nodes else resumed
+    opts = commands.LaunchOptions(config=config, sets=set_ or [], python=python, workdir=workdir,
+                                  log_dir=log_dir, keep_compile_cache=keep_compile_cache, replace=replace,
+                                  resume=resumed, task=task, retry=retry, retry_delay=retry_delay, env=env or [])
     if len(nodes) > 1:
         return _launch_nodes(nodes, opts, stats, master_addr, master_port, follow, dry_run, json_)
     if master_addr is not None or master_port is not None:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 from gpuctl import commands, ssh
@@ -133,8 +134,6 @@ def check_cluster_options(targets: list[Target], opts: LaunchOptions, master_add
     if opts.retry:
         raise usage_error("--retry is not supported for multi-node runs yet: one node's restart cannot rejoin the "
                           "others (it needs a whole-run restart); launch again with --resume when it fails")
-    if opts.resume is not None:
-        raise usage_error("--resume is not supported for multi-node runs yet: launch the run again")
 
 
 def check_master_port(port: int) -> None:
@@ -152,8 +151,9 @@ def launch(nodes: list[Node], opts: LaunchOptions, master_addr: str | None, mast
     """One run on every node, all or nothing: every node's launch lock is taken and its state read (in parallel)
     before any node is told to start; a node that refuses (unreachable, container stopped, locked, an active run)
     makes every other give its lock back with nothing started. The run number is the next one free on every
-    node. Should a node fail to start after that, the runs started on the others are killed."""
-    opts, config_file = commands.check_launch_options(opts)
+    node. Should a node fail to start after that, the runs started on the others are killed. With --resume,
+    every node continues its own run of one number (0: the latest, which must be the same run everywhere)."""
+    commands.check_launch_options(opts)
     check_master_addr(master_addr)
     check_master_port(master_port)
     specs = tuple(node.target.spec() for node in nodes)
@@ -163,16 +163,23 @@ def launch(nodes: list[Node], opts: LaunchOptions, master_addr: str | None, mast
     def say(node: Node) -> Notify:
         return lambda text: notify(f"node {node.index}: {text}")
 
+    checked: list[tuple[LaunchOptions, Path | None]] = [(opts, None)] * len(nodes)  # each node's, resumed
+
     def begin(node: Node) -> PendingLaunch:
         if node.error:
             raise node.error
-        node_opts = replace(opts, node=roles[node.index])
-        return commands.begin_launch(node.ct, commands.launch_values(node.target, node_opts), opts.task.value,
+        checked[node.index] = commands.check_launch_options(commands.resuming(node.ct, opts))
+        node_opts = replace(checked[node.index][0], node=roles[node.index])
+        return commands.begin_launch(node.ct, commands.launch_values(node.target, node_opts), node_opts.task.value,
                                      say(node))
 
     outcomes = on_each(nodes, begin)
     pending = [p for p in outcomes if isinstance(p, PendingLaunch)]
     problem = _first_problem(nodes, outcomes)
+    resumed = {node_opts.resume for node_opts, _ in checked}
+    if problem is None and len(resumed) > 1:
+        runs = ", ".join(f"node {k} tl{node_opts.resume}" for k, (node_opts, _) in enumerate(checked))
+        problem = usage_error(f"--resume: the nodes' latest runs differ ({runs}): pass --resume N")
     if problem is None and not opts.replace:
         busy = [(node, p) for node, p in zip(nodes, pending) if p.report.active]
         problem = busy[0][0].failed(commands.active_conflict(busy[0][1])) if busy else None
@@ -191,9 +198,11 @@ def launch(nodes: list[Node], opts: LaunchOptions, master_addr: str | None, mast
     roles = [replace(role, master_addr=addr) for role in roles]
 
     def start(node: Node) -> LaunchResult:
-        node_opts = replace(opts, node=roles[node.index])
-        return commands.finish_launch(pending[node.index], commands.launch_package(node_opts, config_file),
-                                      opts.replace, say(node), number=number)
+        node_opts, config_file = checked[node.index]
+        node_opts = replace(node_opts, node=roles[node.index])
+        result = commands.finish_launch(pending[node.index], commands.launch_package(node_opts, config_file),
+                                        opts.replace, say(node), number=number)
+        return replace(result, resumed_from=node_opts.resume)
 
     outcomes = on_each(nodes, start)
     problem = _first_problem(nodes, outcomes)

@@ -384,14 +384,19 @@ def _no_python(ct: Container, reply: LaunchReply, task: str) -> GpuctlError:
 def launch(ct: Container, target: Target, opts: LaunchOptions, notify: Notify,
            progress: Callable[[int], Tracker] | None = None) -> LaunchResult:
     """Start a run. progress(total bytes) gives the tracker of the changed files' transfer."""
-    resumed = None
-    if opts.resume is not None:
-        resumed = _resumable(ct, opts.resume, opts.task)
-        opts = resume_options(replace(opts, resume=resumed.number), resumed.record)
-    opts, config_file = check_launch_options(opts)
+    opts, config_file = check_launch_options(resuming(ct, opts))
     result = start_detached(ct, launch_values(target, opts), launch_package(opts, config_file), opts.task.value,
                             opts.replace, notify, progress)
-    return replace(result, resumed_from=resumed.number if resumed else None)
+    return replace(result, resumed_from=opts.resume)
+
+
+def resuming(ct: Container, opts: LaunchOptions) -> LaunchOptions:
+    """With --resume, the options of the run it continues (its number in opts.resume; 0 asked for the latest);
+    without, opts as they are."""
+    if opts.resume is None:
+        return opts
+    resumed = _resumable(ct, opts.resume, opts.task)
+    return resume_options(replace(opts, resume=resumed.number), resumed.record)
 
 
 def launch_package(opts: LaunchOptions, config_file: Path | None) -> Callable[[LaunchReply], Package]:

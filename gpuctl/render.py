@@ -361,8 +361,9 @@ def cluster_launch(result: ClusterLaunch, as_json: bool, to_stderr: bool) -> Non
                       nodes=[dict(r.run.to_json(), node=node.index, target=node.target.spec(),
                                   staging=r.staging_json()) for node, r in zip(result.nodes, result.results)]))
     out = _console(stderr=to_stderr or as_json)
+    resumed = result.results[0].resumed_from
     out.print(Text.assemble("started ", (result.run_id, "bold"), f" on {len(result.nodes)} nodes (master "
-                            f"{result.master_addr}:{result.master_port})"))
+                            f"{result.master_addr}:{result.master_port}{f', resuming tl{resumed}' if resumed else ''})"))
     for node, launched in zip(result.nodes, result.results):
         run = launched.run
         out.print(Text.assemble(f"  node {node.index}: {node.target.describe()}: pid {run.record.get('pid')}, "

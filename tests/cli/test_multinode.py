@@ -244,3 +244,26 @@ def test_status_watch_over_the_nodes_until_ctrl_c(two_containers):
     watcher.send_signal(signal.SIGINT)
     _, err = screen.finish()
     assert watcher.returncode == 130 and "stopped watching" in err and "Traceback" not in err
+
+
+def test_resume_continues_every_nodes_run_of_the_remembered_run(two_containers):
+    nodes = two_containers
+    launched = nodes.launch_fake(*LONG, "env=HF_HOME", extra=(*nodes.rendezvous_args(), "--env", "HF_HOME=/hf"))
+    assert launched.code == 0, launched.stderr
+    assert nodes.gpuctl("kill", "--grace", "5").code == 0
+    resumed = nodes.gpuctl("launch", "--resume", "--json", *nodes.rendezvous_args())  # the remembered nodes and run
+    assert resumed.code == 0, resumed.stderr
+    doc = resumed.json()
+    assert [(n["run_id"], n["resumed_from"]) for n in doc["nodes"]] == [("tl2", "tl1"), ("tl2", "tl1")]
+    for k in (0, 1):
+        log = nodes.path(k, "/workspace/train_tl2.log").read_text()
+        assert '"--resume"' in log.splitlines()[1]  # the trainer's own --resume, every node
+        env = seen_env(nodes, k, "tl2")
+        assert (env["RANK"], env["WORLD_SIZE"], env["HF_HOME"]) == (str(k), "2", "/hf")  # --env kept by the record
+    assert "resuming tl1" in resumed.stderr
+    assert nodes.gpuctl("kill", "--grace", "5").code == 0
+    alone = nodes.gpuctl("launch", nodes.nodes[0][2], "--python", "fake-trainer", "--set", "fake.steps=1")
+    assert alone.code == 0, alone.stderr  # tl3, on node 0 only
+    differ = nodes.gpuctl("launch", *nodes.node_args(), "--resume", *nodes.rendezvous_args())
+    assert differ.code == 2 and "the nodes' latest runs differ (node 0 tl3, node 1 tl2)" in differ.stderr
+    assert not nodes.path(1, "/workspace/.gpuctl/tl3.json").exists()
