@@ -11,14 +11,14 @@ import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from gpuctl import __version__, commands, doctor, render, ssh
+from gpuctl import __version__, cluster, commands, doctor, render, ssh
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
 from gpuctl.runs import RUN_REF, State, parse_run_ref, parse_signal
-from gpuctl.target import TargetFlags, remember, resolve
+from gpuctl.target import Target, TargetFlags, remember, remembered_nodes, resolve, resolve_nodes
 
 # Newer Typer releases vendor their own click: take its exceptions from the module Typer's own come from.
 click_exceptions = sys.modules[typer.BadParameter.__module__]
@@ -59,6 +59,7 @@ TARGET_PARAMS = [
 ]
 TargetArg = Annotated[str | None, typer.Argument(metavar="TARGET", help="[USER@]HOST[:PORT][/CTID], instead of the options",
                                                     show_default=False)]
+NODES_HELP = "Multi-node runs"
 RunOpt = Annotated[str | None, typer.Option("--run", metavar="N", help="run number (7 or tl7); default: the latest")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON document on stdout, nothing else there")]
 
@@ -131,18 +132,41 @@ def launch(
                                                                 "with its outcome")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print what would run, run nothing")] = False,
     json_: JsonOpt = False,
+    env: Annotated[list[str] | None, typer.Option("--env", metavar="KEY=VALUE", help="an environment variable for "
+                                                  "the trainer (repeatable), e.g. NCCL_SOCKET_IFNAME=eth0")] = None,
+    node: Annotated[list[str] | None, typer.Option("--node", metavar="TARGET", rich_help_panel=NODES_HELP,
+                                                   help="a node of a multi-node run: [USER@]HOST[:PORT]/CTID or a "
+                                                        "profile name (repeatable; node 0 first)")] = None,
+    cluster_name: Annotated[str | None, typer.Option("--cluster", metavar="NAME", rich_help_panel=NODES_HELP,
+                                                     help="the nodes of config.toml's [clusters.NAME] (nodes = "
+                                                          "[...])")] = None,
+    master_addr: Annotated[str | None, typer.Option(metavar="ADDR", rich_help_panel=NODES_HELP,
+                                                    help="where every node reaches node 0 (MASTER_ADDR) [default: "
+                                                         "node 0's address, found in its container]")] = None,
+    master_port: Annotated[int | None, typer.Option(metavar="N", rich_help_panel=NODES_HELP,
+                                                    help="node 0's rendezvous port (MASTER_PORT), reachable from "
+                                                         "every node [default: 29500]")] = None,
 ) -> int:
     """Start a training run (or, with --task regenerate, a data regeneration) in the container, detached; print
-    its id, pid and log."""
+    its id, pid and log. With --node (or --cluster), one run across several containers: one trainer each."""
     if json_ and follow:
         raise usage_error("--json and --follow cannot be combined (the log goes to stdout)")
     if resume is not None and dry_run:
         raise usage_error("--dry-run cannot show a --resume (the resumed run's record is in the container)")
-    target = resolve(flags)
+    resumed = None if resume is None else parse_run_ref(resume or None)
+    if node or cluster_name:
+        nodes = resolve_nodes(flags, node, cluster_name)
+    else:  # after a multi-node run, a launch without options is on its nodes again (--resume: that run)
+        nodes, last = remembered_nodes(flags) or ([], 0)
+        resumed = last if resumed == 0 and nodes else resumed
     opts = commands.LaunchOptions(config=config, sets=set_ or [], python=python, workdir=workdir,
                                   log_dir=log_dir, keep_compile_cache=keep_compile_cache, replace=replace,
-                                  resume=None if resume is None else parse_run_ref(resume or None), task=task,
-                                  retry=retry, retry_delay=retry_delay)
+                                  resume=resumed, task=task, retry=retry, retry_delay=retry_delay, env=env or [])
+    if len(nodes) > 1:
+        return _launch_nodes(nodes, opts, stats, master_addr, master_port, follow, dry_run, json_)
+    if master_addr is not None or master_port is not None:
+        raise usage_error("--master-addr and --master-port are for a multi-node run (two --node or more)")
+    target = nodes[0] if nodes else resolve(flags)
     if dry_run:
         sys.stdout.write(commands.plan_launch(target, opts))
         return ExitCode.OK
@@ -155,6 +179,24 @@ def launch(
             return _follow(ct, result.run.number, lines=None, offset=0)
     if result.run.state in (State.FAILED, State.KILLED, State.LOST) and not result.run.record.get("retried_as"):
         return ExitCode.RUN_FAILED  # a failed first attempt that --retry restarts is no failure of the launch yet
+    return ExitCode.OK
+
+
+def _launch_nodes(nodes: list[Target], opts: commands.LaunchOptions, stats: ssh.Stats, master_addr: str | None,
+                  master_port: int | None, follow: bool, dry_run: bool, json_: bool) -> int:
+    port = cluster.DEFAULT_MASTER_PORT if master_port is None else master_port
+    cluster.check_cluster_options(nodes, opts, master_addr, port)
+    if dry_run:
+        sys.stdout.write(cluster.plan_launch(nodes, opts, master_addr, port))
+        return ExitCode.OK
+    with cluster.connected(nodes, stats) as connections:
+        result = cluster.launch(connections, opts, master_addr, port, notify=render.message)
+        remember(nodes[0], nodes=nodes, run=result.number)
+        render.cluster_launch(result, as_json=json_, to_stderr=follow)
+        if follow:  # node 0's log
+            return _follow(connections[0].ct, result.number, lines=None, offset=0)
+    if any(r.run.state in (State.FAILED, State.KILLED, State.LOST) for r in result.results):
+        return ExitCode.RUN_FAILED
     return ExitCode.OK
 
 
@@ -178,10 +220,22 @@ def logs(
                                                 metavar="LINES", min=0)] = None,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="stream until the run ends; exit with its "
                                                                 "outcome (0 succeeded, 1 otherwise)")] = False,
+    node: Annotated[int | None, typer.Option("--node", metavar="K", min=0, help="a multi-node run: node K's log "
+                                             "[default: node 0's]")] = None,
 ) -> int:
     """Print a run's log (the latest run's by default); only the log's own lines go to stdout."""
     number = parse_run_ref(run)
-    with commands.connected(resolve(flags), stats) as ct:
+    remembered = remembered_nodes(flags)
+    if remembered:
+        targets, last = remembered
+        if (node or 0) >= len(targets):
+            raise usage_error(f"--node {node}: the run has nodes 0 to {len(targets) - 1}")
+        target, number = targets[node or 0], number or last
+    elif node:
+        raise usage_error("--node K is for the nodes of a multi-node run (the last launch was not one)")
+    else:
+        target = resolve(flags)
+    with commands.connected(target, stats) as ct:
         if follow:
             return _follow(ct, number, lines=tail, offset=None)
         commands.print_log(ct, number, tail, render.write_bytes)
@@ -204,18 +258,39 @@ def status(
     if watch and json_:
         raise usage_error("--watch is for a terminal; --json gives one document (run it again to refresh)")
     number = parse_run_ref(run)
+    remembered = remembered_nodes(flags)
+    if remembered:
+        return _status_nodes(*remembered, number, stats, watch, interval, json_)
     with commands.connected(resolve(flags), stats) as ct:
         if watch:
-            try:
-                render.watch_status(lambda: commands.reconnecting(ct, lambda: commands.status(ct, number),
-                                                                  render.message), interval)
-            except KeyboardInterrupt:
-                raise GpuctlError("stopped watching", ExitCode.INTERRUPTED) from None
+            _watch(lambda: render.status_renderable(commands.reconnecting(ct, lambda: commands.status(ct, number),
+                                                                          render.message)), interval)
         report = commands.status(ct, number)
         render.status_report(report, as_json=json_)
     if report.container_status != "running":
         raise GpuctlError(f"container {report.ctid} on {report.host} is not running ({report.container_status}; "
                           f"start it: pct start {report.ctid})", ExitCode.CONTAINER)
+    return ExitCode.OK
+
+
+def _watch(fetch: Callable[[], Any], interval: float) -> None:
+    try:
+        render.watch_status(fetch, interval)
+    except KeyboardInterrupt:
+        raise GpuctlError("stopped watching", ExitCode.INTERRUPTED) from None
+
+
+def _status_nodes(targets: list[Target], last: int, number: int, stats: ssh.Stats, watch: bool, interval: float,
+                  json_: bool) -> int:
+    """status over a multi-node run's nodes: a row each, the run's state over all of them."""
+    with cluster.connected(targets, stats) as nodes:
+        if watch:
+            _watch(lambda: render.status_renderable(cluster.status(nodes, number or last)), interval)
+        report = cluster.status(nodes, number or last)
+    render.status_report(report, as_json=json_)
+    unreadable = report.unreadable()
+    if unreadable:
+        raise unreadable
     return ExitCode.OK
 
 
@@ -242,7 +317,18 @@ def plot(
 @app.command()
 @with_target
 def runs(flags: TargetFlags, stats: ssh.Stats, json_: JsonOpt = False) -> int:
-    """Every run in the container: id, state, exit code, start, duration, log size."""
+    """Every run in the container: id, state, exit code, start, duration, log size (a multi-node run's: every
+    node's, each run with its nodes)."""
+    remembered = remembered_nodes(flags)
+    if remembered:
+        with cluster.connected(remembered[0], stats) as nodes:
+            found, errors = cluster.list_runs(nodes)
+        render.cluster_runs(found, as_json=json_)
+        for error in errors[1:]:
+            render.error(str(error))
+        if errors:
+            raise errors[0]
+        return ExitCode.OK
     target = resolve(flags)
     with commands.connected(target, stats) as ct:
         render.runs_table(commands.list_runs(ct), target.ct, target.host, as_json=json_)
@@ -260,6 +346,19 @@ def kill(
 ) -> int:
     """Signal a run's whole process group, escalate to SIGKILL after --grace, check nothing is left."""
     number, signal_name = parse_run_ref(run), parse_signal(signal)
+    remembered = remembered_nodes(flags)
+    if remembered:
+        with cluster.connected(remembered[0], stats) as nodes:
+            done = cluster.kill(nodes, number or remembered[1], signal_name, grace, notify=render.message)
+        for each in done:
+            if each.result:
+                render.kill_result(each.result, each.node.describe())
+        errors = [each.error for each in done if each.error]
+        for error in errors[1:]:
+            render.error(str(error))
+        if errors:
+            raise errors[0]
+        return ExitCode.OK
     with commands.connected(resolve(flags), stats) as ct:
         render.kill_result(commands.kill(ct, number, signal_name, grace, notify=render.message))
     return ExitCode.OK

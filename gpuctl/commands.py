@@ -8,6 +8,7 @@ from __future__ import annotations
 import getpass
 import json
 import os
+import re
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -147,6 +148,31 @@ class LaunchOptions:
     retry: int = 0  # restart a failed run with --resume up to this many times (the wrapper does, in the container)
     retry_delay: float = 10.0  # seconds before a retry; doubled for each attempt in a row that failed before a step
     task: LaunchTask | None = None  # None: the resumed run's task, else train
+    env: list[str] = field(default_factory=list)  # KEY=VALUE: environment for the trainer (--env)
+    node: NodeRole | None = None  # one node of a multi-node run (gpuctl/cluster.py); None: a run of its own
+
+
+# torch.distributed's env:// variables: gpuctl sets them for a multi-node run, --env may not.
+RENDEZVOUS_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class NodeRole:
+    """One container's place in a multi-node run (launch --node): what its trainer is told through
+    torch.distributed's env:// variables, and what its run record says of the run's nodes."""
+
+    rank: int  # the node's index, 0 = the first
+    nodes: tuple[str, ...]  # every node's target, node 0 first
+    master_port: int
+    master_addr: str | None = None  # None: node 0's own address, which its launch script finds
+
+    def rendezvous(self) -> list[tuple[str, str]]:
+        values = (self.rank, len(self.nodes), self.master_addr, self.master_port)
+        return [(key, str(value)) for key, value in zip(RENDEZVOUS_KEYS, values)]
+
+    def record_fields(self) -> dict[str, Any]:
+        return {"node": self.rank, "nodes": list(self.nodes), "master_port": self.master_port}
 
 
 @dataclass
@@ -174,7 +200,7 @@ def _remote_dir(value: str, option: str) -> str:
     return str(PurePosixPath(value))
 
 
-def _check_launch_options(opts: LaunchOptions) -> tuple[LaunchOptions, Path | None]:
+def check_launch_options(opts: LaunchOptions) -> tuple[LaunchOptions, Path | None]:
     """Validate; fill what is not given from the defaults. Returns the options and the local config file."""
     for item in opts.sets:
         key, eq, _ = item.partition("=")
@@ -182,6 +208,7 @@ def _check_launch_options(opts: LaunchOptions) -> tuple[LaunchOptions, Path | No
             raise usage_error(f"--set takes KEY=VALUE, got {item!r}")
         if "\n" in item or "\0" in item:
             raise usage_error(f"--set value must not contain NUL or newline characters: {item!r}")
+    check_env(opts.env)
     if opts.retry < 0 or not 0 <= opts.retry_delay <= 86400:
         raise usage_error("--retry takes a count >= 0, --retry-delay seconds between 0 and 86400")
     task = LaunchTask(opts.task or LaunchTask.TRAIN)
@@ -195,8 +222,25 @@ def _check_launch_options(opts: LaunchOptions) -> tuple[LaunchOptions, Path | No
     checked = replace(opts, task=task, config=f"{STAGE_DIR}/configs/{local.name}" if config_file else config,
                       python=python,
                       workdir=_remote_dir(opts.workdir or DEFAULTS["workdir"], "--workdir"),
-                      log_dir=_remote_dir(opts.log_dir or DEFAULTS["log_dir"], "--log-dir"), sets=list(opts.sets))
+                      log_dir=_remote_dir(opts.log_dir or DEFAULTS["log_dir"], "--log-dir"), sets=list(opts.sets),
+                      env=list(opts.env))
     return checked, config_file
+
+
+def check_env(items: list[str]) -> list[tuple[str, str]]:
+    """--env KEY=VALUE items as (KEY, VALUE): KEY a shell identifier that is not gpuctl's own."""
+    pairs = []
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not ENV_KEY.match(key):
+            raise usage_error(f"--env takes KEY=VALUE with KEY a shell identifier (letters, digits, _), got {item!r}")
+        if key in RENDEZVOUS_KEYS or key.startswith("GPUCTL_"):
+            raise usage_error(f"--env cannot set {key}: gpuctl sets it (the rendezvous: --master-addr, "
+                              "--master-port)")
+        if "\n" in value or "\0" in value:
+            raise usage_error(f"--env value must not contain NUL or newline characters: {item!r}")
+        pairs.append((key, value))
+    return pairs
 
 
 def check_python(python: str) -> str:
@@ -212,6 +256,7 @@ def resume_options(opts: LaunchOptions, record: dict[str, Any]) -> LaunchOptions
     return replace(opts, task=LaunchTask(record.get("task") or LaunchTask.TRAIN),
                    config=opts.config or record.get("config"),
                    sets=[*record.get("sets", []), *opts.sets], python=opts.python or record.get("python"),
+                   env=[*record.get("env", []), *opts.env],
                    workdir=opts.workdir or record.get("workdir"),
                    log_dir=opts.log_dir or (str(PurePosixPath(log_path).parent) if log_path else None))
 
@@ -223,10 +268,11 @@ def _holder() -> str:
 
 def detached_values(target: Target, task: str, fields: dict[str, Any], *, python: str | None,
                     use_recorded_python: bool, log_dir: str, workdir: str, keep_compile_cache: bool,
-                    replacing: bool) -> dict[str, Any]:
+                    replacing: bool, find_address: bool = False) -> dict[str, Any]:
     """launch.sh's values for a detached task: "train" and "regenerate" run the staged run.sh (a training run, a
     data regeneration), "setup" the staged setup.sh (gpuctl setup's installation); each has its own numbered log
-    (<task>_tlN.log) and a record that names the task."""
+    (<task>_tlN.log) and a record that names the task. find_address: the script reports the container's address
+    (a multi-node run's node 0, for MASTER_ADDR)."""
     record_fields = {
         "task": task, "host": target.host, "container": target.ct, **fields,
         "launched_by": f"{getpass.getuser()}@{socket.gethostname()}", "gpuctl_version": __version__,
@@ -237,6 +283,7 @@ def detached_values(target: Target, task: str, fields: dict[str, Any], *, python
         "stage_dir": STAGE_DIR, "log_dir": log_dir, "workdir": workdir, "python": python or "",
         "interpreter_file": INTERPRETER_FILE if use_recorded_python else "", "entry": TASK_ENTRIES[task],
         "keep_compile_cache": keep_compile_cache, "holder": _holder(), "reply_timeout": int(reply_timeout),
+        "find_address": find_address,
         "log_stem": log_stem, "log_prefix": json.dumps(f"{log_dir.rstrip('/')}/{log_stem}")[:-1],
         "record_fields": json.dumps(record_fields)[1:-1],
     }
@@ -246,15 +293,20 @@ def detached_values(target: Target, task: str, fields: dict[str, Any], *, python
 TASK_ENTRIES = {"train": "run.sh", "regenerate": "run.sh", "setup": "setup.sh"}
 
 
-def _script_values(target: Target, opts: LaunchOptions) -> dict[str, Any]:
+def launch_values(target: Target, opts: LaunchOptions) -> dict[str, Any]:
     fields: dict[str, Any] = {"config": opts.config, "sets": opts.sets, "workdir": opts.workdir}
     if opts.resume:
         fields.update(resumed_from=opts.resume)
     if opts.retry:
         fields.update(retries=opts.retry, retry_delay=opts.retry_delay)
+    if opts.env:
+        fields.update(env=opts.env)  # a --resume of the run sets them again
+    if opts.node:
+        fields.update(opts.node.record_fields())
     return detached_values(target, opts.task.value, fields, python=opts.python, use_recorded_python=True,
                            log_dir=opts.log_dir, workdir=opts.workdir, keep_compile_cache=opts.keep_compile_cache,
-                           replacing=opts.replace)
+                           replacing=opts.replace,
+                           find_address=bool(opts.node and opts.node.rank == 0 and not opts.node.master_addr))
 
 
 def _package(config_file: Path | None, opts: LaunchOptions) -> Package:
@@ -263,7 +315,8 @@ def _package(config_file: Path | None, opts: LaunchOptions) -> Package:
     run_sh = scripts.render("run.sh", stage_dir=STAGE_DIR, workdir=opts.workdir, python=opts.python,
                             module=TASK_MODULES[opts.task], config=opts.config, sets=opts.sets,
                             resume=opts.resume is not None and opts.task == LaunchTask.TRAIN,
-                            takes_resume=opts.task == LaunchTask.TRAIN)  # a --retry attempt's --resume
+                            takes_resume=opts.task == LaunchTask.TRAIN,  # a --retry attempt's --resume
+                            env=check_env(opts.env), rendezvous=opts.node.rendezvous() if opts.node else [])
     return build_package(config_file).with_files([file_from_bytes("run.sh", run_sh.encode(), 0o755), wrapper_file()])
 
 
@@ -282,11 +335,11 @@ def _kept_config(package: Package, opts: LaunchOptions, remote: dict[str, str]) 
 
 def plan_launch(target: Target, opts: LaunchOptions) -> str:
     """What `launch --dry-run` shows: the command, the script, and the package it would stage."""
-    opts, config_file = _check_launch_options(opts)
+    opts, config_file = check_launch_options(opts)
     interpreter = opts.python or f"the one gpuctl setup recorded in {INTERPRETER_FILE}, else python3"
     package = _package(config_file, replace(opts, python=opts.python or "<interpreter>"))
     command = scripts.render("pct_exec", ctid=target.ct).strip()
-    script = scripts.render("launch.sh", records_dir=RECORDS_DIR, **_script_values(target, opts))
+    script = scripts.render("launch.sh", records_dir=RECORDS_DIR, **launch_values(target, opts))
     files = package.files
     return (f"# on {target.host}: {command}   (script on stdin)\n{script}\n"
             f"# then, only the files the container lacks of the package ({len(files)} files, {package.size} bytes, "
@@ -331,19 +384,29 @@ def _no_python(ct: Container, reply: LaunchReply, task: str) -> GpuctlError:
 def launch(ct: Container, target: Target, opts: LaunchOptions, notify: Notify,
            progress: Callable[[int], Tracker] | None = None) -> LaunchResult:
     """Start a run. progress(total bytes) gives the tracker of the changed files' transfer."""
-    resumed = None
-    if opts.resume is not None:
-        resumed = _resumable(ct, opts.resume, opts.task)
-        opts = resume_options(replace(opts, resume=resumed.number), resumed.record)
-    opts, config_file = _check_launch_options(opts)
+    opts, config_file = check_launch_options(resuming(ct, opts))
+    result = start_detached(ct, launch_values(target, opts), launch_package(opts, config_file), opts.task.value,
+                            opts.replace, notify, progress)
+    return replace(result, resumed_from=opts.resume)
 
-    def package(report: LaunchReply) -> Package:  # run.sh names the interpreter the container resolved
+
+def resuming(ct: Container, opts: LaunchOptions) -> LaunchOptions:
+    """With --resume, the options of the run it continues (its number in opts.resume; 0 asked for the latest);
+    without, opts as they are."""
+    if opts.resume is None:
+        return opts
+    resumed = _resumable(ct, opts.resume, opts.task)
+    return resume_options(replace(opts, resume=resumed.number), resumed.record)
+
+
+def launch_package(opts: LaunchOptions, config_file: Path | None) -> Callable[[LaunchReply], Package]:
+    """The package a launch stages, once the container's report says which interpreter run.sh names."""
+
+    def package(report: LaunchReply) -> Package:
         ran = replace(opts, python=report.python)
         return _kept_config(_package(config_file, ran), ran, report.manifest)
 
-    result = start_detached(ct, _script_values(target, opts), package, opts.task.value, opts.replace, notify,
-                            progress)
-    return replace(result, resumed_from=resumed.number if resumed else None)
+    return package
 
 
 def start_detached(ct: Container, values: dict[str, Any], package_for: Callable[[LaunchReply], Package],
@@ -351,6 +414,26 @@ def start_detached(ct: Container, values: dict[str, Any], package_for: Callable[
                    progress: Callable[[int], Tracker] | None = None) -> LaunchResult:
     """launch.sh's conversation: under the container's launch lock, stage package_for(its report) and start the
     task detached; wait until it runs. The one way gpuctl starts something that outlives the connection."""
+    return finish_launch(begin_launch(ct, values, task, notify), package_for, replace_active, notify, progress)
+
+
+@dataclass
+class PendingLaunch:
+    """launch.sh under the container's launch lock, its report made, waiting for gpuctl's answer."""
+
+    ct: Container
+    remote: RemoteCommand
+    report: LaunchReply
+
+    def abort(self) -> None:
+        """Answer "abort": the script ends and the lock goes with it."""
+        self.remote.send(LAUNCH_ABORT)
+        self.remote.close_stdin()
+        self.ct.finish(self.remote)
+
+
+def begin_launch(ct: Container, values: dict[str, Any], task: str, notify: Notify) -> PendingLaunch:
+    """The first half of launch.sh's conversation: the lock taken, the container's report read."""
     remote = ct.start("launch", **values)
     head, waiting = remote.read_until(LAUNCH_WAITING)
     if not waiting:  # the script ended before it could stage
@@ -365,19 +448,30 @@ def start_detached(ct: Container, values: dict[str, Any], package_for: Callable[
     report = LaunchReply.parse(head)  # under the lock, before our answer
     if report.recovered is not None:
         notify(f"took over CT {ct.ctid}'s launch lock from a launch that overran its deadline: {report.recovered}")
+    return PendingLaunch(ct, remote, report)
+
+
+def active_conflict(pending: PendingLaunch) -> GpuctlError:
+    return _active_conflict(pending.ct, pending.report.active[0])
+
+
+def finish_launch(pending: PendingLaunch, package_for: Callable[[LaunchReply], Package], replace_active: bool,
+                  notify: Notify, progress: Callable[[int], Tracker] | None = None,
+                  number: int | None = None) -> LaunchResult:
+    """The second half: (with --replace, the active runs killed) stage package_for(the report), start the task as
+    run `number` (None: the next one there), wait until it runs."""
+    ct, remote, report = pending.ct, pending.remote, pending.report
     replaced = []
     if report.active:
         if not replace_active:
-            remote.send(LAUNCH_ABORT)
-            remote.close_stdin()
-            ct.finish(remote)
-            raise _active_conflict(ct, report.active[0])
+            pending.abort()
+            raise active_conflict(pending)
         for active in report.active:
             notify(f"--replace: killing tl{active.number} first")
             replaced.append(kill(ct, active.number, "TERM", grace=30.0, notify=notify))
     package = package_for(report)
     plan = plan_stage(package, report.manifest)
-    remote.send(launch_go(plan.changed_bytes, package.manifest()))
+    remote.send(launch_go(plan.changed_bytes, package.manifest(), number))
     tracker = progress(plan.changed_bytes) if progress and plan.archive else None
     try:
         sent_file_bytes = remote.send(plan.archive, kind="files", progress=tracker)
@@ -453,6 +547,7 @@ class StatusReport:
     run: Run | None
     gpus: list[Gpu]
     losses: list[float] = field(default_factory=list)  # a sample of the run's losses, oldest first
+    last_line: str | None = None  # the log's last line (asked for: a multi-node run's node)
 
     def to_json(self) -> dict:
         keys = ("run_id", "state", "exit_code", "pid", "pgid", "started_at", "ended_at", "elapsed_s", "log_path",
@@ -464,17 +559,18 @@ class StatusReport:
         return doc
 
 
-def status(ct: Container, run_number: int = 0) -> StatusReport:
+def status(ct: Container, run_number: int = 0, last_line: bool = False) -> StatusReport:
     try:
-        inspection = inspect(ct, run_number, gpus=True, history=LOSS_HISTORY_POINTS)
+        inspection = inspect(ct, run_number, gpus=True, history=LOSS_HISTORY_POINTS, tail_lines=int(last_line))
     except ContainerNotRunning:
         return StatusReport(ctid=ct.ctid, host=ct.host, container_status="stopped", run=None, gpus=[])
     run = inspection.runs[0] if inspection.runs else None
     history = parse_metrics_lines(inspection.histories.get(run.number, b"")) if run else []
     by_step = {r["step"]: r["loss"] for r in history if isinstance(r.get("loss"), (int, float))}  # last line twice
     losses = [by_step[step] for step in sorted(by_step)]
+    tail = inspection.tails.get(run.number, b"").decode(errors="replace").strip() if run else ""
     return StatusReport(ctid=ct.ctid, host=ct.host, container_status="running", run=run,
-                        gpus=parse_gpus(inspection.gpus_csv), losses=losses)
+                        gpus=parse_gpus(inspection.gpus_csv), losses=losses, last_line=tail or None)
 
 
 def list_runs(ct: Container) -> list[Run]:

@@ -60,9 +60,11 @@ LAUNCH_WAITING = section("waiting", b"")
 LAUNCH_ABORT = b"abort\n"
 
 
-def launch_go(archive_bytes: int, manifest: bytes) -> bytes:
-    """`go BYTES`, the new package's manifest, an empty line: the archive's BYTES follow."""
-    return f"go {archive_bytes}\n".encode() + manifest + b"\n"
+def launch_go(archive_bytes: int, manifest: bytes, number: int | None = None) -> bytes:
+    """`go BYTES [NUMBER]`, the new package's manifest, an empty line: the archive's BYTES follow. NUMBER: the run
+    number to take (a multi-node run's, the same on every node); without it the script picks the next one."""
+    number_field = f" {number}" if number is not None else ""
+    return f"go {archive_bytes}{number_field}\n".encode() + manifest + b"\n"
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,8 @@ class LaunchReply:
     active: list[Run] = field(default_factory=list)  # the runs alive in the container (exit ACTIVE after go)
     manifest: dict[str, str] = field(default_factory=dict)  # the staged package's files: {name: sha256}
     record: dict[str, Any] | None = None  # the record of the run it started
+    last_number: int | None = None  # the largest run number the container has (under the lock)
+    address: str | None = None  # the container's first address (asked for: a multi-node run's node 0); "" none
 
     @classmethod
     def parse(cls, data: bytes) -> LaunchReply:
@@ -86,12 +90,14 @@ class LaunchReply:
                 numbers.append(int(value))
             elif name == "active_record":
                 records.append(json.loads(value or b"{}"))
-            elif name in ("holder", "recovered", "python", "python_from"):
+            elif name in ("holder", "recovered", "python", "python_from", "address"):
                 found[name] = value.decode(errors="replace")
             elif name == "manifest":
                 found[name] = parse_manifest(value)
             elif name == "record":
                 found[name] = json.loads(value)
+            elif name == "last_number":
+                found[name] = int(value)
         active = [Run(number=n, record=record, alive=True) for n, record in zip(numbers, records)]
         return cls(active=active, **found)
 

@@ -18,6 +18,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColu
 from rich.table import Table
 from rich.text import Text
 
+from gpuctl.cluster import ClusterLaunch, ClusterRun, ClusterStatus, combined_state
 from gpuctl.commands import KillResult, LaunchResult, PullResult, StatusReport
 from gpuctl.doctor import DoctorReport
 from gpuctl.runs import Run, State
@@ -164,7 +165,9 @@ def _retry_text(run: Run) -> str:
     return text
 
 
-def status_renderable(report: StatusReport) -> RenderableType:
+def status_renderable(report: StatusReport | ClusterStatus) -> RenderableType:
+    if isinstance(report, ClusterStatus):  # a multi-node run: a row per node
+        return cluster_status_renderable(report)
     running = report.container_status == "running"
     parts: list[RenderableType] = [Text.assemble(
         ("CT ", "bold"), (str(report.ctid), "bold"), f" on {report.host}: ",
@@ -188,22 +191,23 @@ def status_renderable(report: StatusReport) -> RenderableType:
     return Group(*parts)
 
 
-def status_report(report: StatusReport, as_json: bool) -> None:
+def status_report(report: StatusReport | ClusterStatus, as_json: bool) -> None:
     if as_json:
         json_doc(report.to_json())
     else:
         _console(stderr=False).print(status_renderable(report))
 
 
-def watch_status(fetch: Callable[[], StatusReport], interval: float) -> None:
-    """Refresh the status in place every `interval` seconds until Ctrl-C (KeyboardInterrupt goes to the caller)."""
+def watch_status(fetch: Callable[[], RenderableType], interval: float) -> None:
+    """Refresh the status (fetch() draws it) in place every `interval` seconds until Ctrl-C (KeyboardInterrupt
+    goes to the caller)."""
     console = _console(stderr=False)
     with Live(console=console, auto_refresh=False, redirect_stderr=False) as live:
         while True:
-            report = fetch()
+            shown = fetch()
             footer = Text(f"every {interval:g} s, last {datetime.now().strftime('%H:%M:%S')}; Ctrl-C stops",
                           style="dim")
-            live.update(Group(status_renderable(report), footer), refresh=True)
+            live.update(Group(shown, footer), refresh=True)
             time.sleep(interval)
 
 
@@ -278,15 +282,17 @@ def launch_result(result: LaunchResult, as_json: bool, to_stderr: bool, show_tai
         message(f"{run.run_id} failed; --retry: attempt 2 is tl{run.record['retried_as']} (gpuctl status shows it)")
 
 
-def kill_result(result: KillResult) -> None:
+def kill_result(result: KillResult, where: str = "") -> None:
+    """where: a multi-node run's node ("node 1 (CT 201 on pve2)")."""
+    prefix = f"{where}: " if where else ""
     if result.run is None:
-        message("no runs in this container; nothing to kill")
+        message(f"{prefix}no runs in this container; nothing to kill")
     elif not result.signalled:
-        message(f"{result.run.run_id} is not running ({result.run.state.value}); nothing to kill")
+        message(f"{prefix}{result.run.run_id} is not running ({result.run.state.value}); nothing to kill")
     else:
         how = " (SIGKILL after the grace period)" if result.escalated else ""
         _console(stderr=False).print(Text(
-            f"killed {result.run.run_id}{how} in {result.seconds:.1f} s; none of its processes is left "
+            f"{prefix}killed {result.run.run_id}{how} in {result.seconds:.1f} s; none of its processes is left "
             f"(state {result.run.state.value}, exit {result.run.exit_code})"))
 
 
@@ -327,3 +333,82 @@ def doctor_report(report: DoctorReport, as_json: bool, to_stderr: bool = False) 
         if check.fix:
             line.append(f"; fix: {check.fix}", style="bold" if check.status == "fail" else "")
         out.print(line, soft_wrap=True)
+
+
+# multi-node runs (gpuctl/cluster.py) ------------------------------------------------------------------------
+
+def _state_label(state: State | None, reason: str | None) -> Text:
+    if state is None:
+        return Text("no run", style="red")
+    return Text.assemble((state.value, STATE_STYLE[state]), f" ({reason})" if reason else "")
+
+
+def _gpus_text(gpus: list) -> str:
+    if not gpus:
+        return "-"
+    util = [g.utilization for g in gpus if g.utilization is not None]
+    return f"{len(gpus)}" + (f" ({sum(util) / len(util):.0f}% util)" if util else "")
+
+
+def cluster_launch(result: ClusterLaunch, as_json: bool, to_stderr: bool) -> None:
+    first = result.results[0].run
+    if as_json:
+        states = [(node, r.run, None) for node, r in zip(result.nodes, result.results)]
+        state, reason = combined_state(states)
+        json_doc(dict(first.to_json(), state=state.value if state else None, reason=reason,
+                      master_addr=result.master_addr, master_port=result.master_port, world_size=len(result.nodes),
+                      staging=result.results[0].staging_json(),
+                      nodes=[dict(r.run.to_json(), node=node.index, target=node.target.spec(),
+                                  staging=r.staging_json()) for node, r in zip(result.nodes, result.results)]))
+    out = _console(stderr=to_stderr or as_json)
+    resumed = result.results[0].resumed_from
+    out.print(Text.assemble("started ", (result.run_id, "bold"), f" on {len(result.nodes)} nodes (master "
+                            f"{result.master_addr}:{result.master_port}{f', resuming tl{resumed}' if resumed else ''})"))
+    for node, launched in zip(result.nodes, result.results):
+        run = launched.run
+        out.print(Text.assemble(f"  node {node.index}: {node.target.describe()}: pid {run.record.get('pid')}, "
+                                f"log {run.log_path}: ", state_text(run)))
+        if launched.tail:
+            message(f"node {node.index}: {run.run_id} ended during its start ({run.state.value}, exit "
+                    f"{run.exit_code}); the log's end:")
+            sys.stderr.write(launched.tail.decode(errors="replace").rstrip("\n") + "\n")
+
+
+def cluster_status_renderable(report: ClusterStatus) -> RenderableType:
+    state, reason = report.state()
+    parts: list[RenderableType] = [Text.assemble(("run ", "bold"), (f"tl{report.number}", "bold"),
+                                                 f" on {len(report.nodes)} nodes: ", _state_label(state, reason))]
+    table = Table(box=None, pad_edge=False)
+    for name in ("node", "container", "state", "pid", "progress", "GPUs"):
+        table.add_column(name, header_style="bold", no_wrap=name != "progress")
+    for n in report.nodes:
+        where = n.node.target.describe()
+        run, problem = n.run, n.problem()
+        if run is None:
+            table.add_row(str(n.node.index), where, Text(problem or "-", style="red"), "-", "-", "-")
+            continue
+        table.add_row(str(n.node.index), where, state_text(run), str(run.record.get("pid") or "-"),
+                      progress_text(run), _gpus_text(n.report.gpus))
+    parts.append(table)
+    return Group(*parts)
+
+
+
+def cluster_runs(runs: list[ClusterRun], as_json: bool) -> None:
+    if as_json:
+        json_doc([run.to_json() for run in runs])
+        return
+    out = _console(stderr=False)
+    if not runs:
+        out.print("no runs on these nodes yet")
+        return
+    table = Table(box=None, pad_edge=False)
+    for name in ("run", "task", "state", "started", "duration", "nodes"):
+        table.add_column(name, header_style="bold", no_wrap=name != "nodes")
+    for run in runs:
+        first = run.present[0][1]
+        state, reason = run.state()
+        nodes = ", ".join(f"{node.index}: {node.target.spec()} {r.state.value}" for node, r in run.present)
+        table.add_row(run.present[0][1].run_id, first.task, _state_label(state, reason), local_time(first.started_at),
+                      duration(first.elapsed_s), nodes)
+    out.print(table)

@@ -4,6 +4,10 @@ Each field comes from the first source that has it: the command-line flag (or th
 GPUCTL_* environment, then the target of the last successful launch (only while no other host was asked for),
 then $XDG_CONFIG_HOME/gpuctl/config.toml. A profile of config.toml (`[profiles.NAME]`, chosen with --profile or
 GPUCTL_PROFILE) counts as given where it was named, below that level's own values.
+
+A multi-node run's nodes (`launch --node TARGET`..., or `--cluster NAME`: config.toml's `[clusters.NAME] nodes =
+[...]`) are targets each; after its launch the remembered target is the whole set of nodes (resolve_nodes), until a
+host or container is asked for.
 """
 
 from __future__ import annotations
@@ -62,6 +66,11 @@ class Target:
 
     def describe(self) -> str:
         return f"CT {self.ct} on {self.host}"
+
+    def spec(self) -> str:
+        """As a TARGET argument: [USER@]HOST[:PORT]/CTID."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.user + '@' if self.user else ''}{host}{f':{self.port}' if self.port else ''}/{self.ct}"
 
 
 def parse_ct(value: Any, source: str) -> int:
@@ -176,7 +185,10 @@ def resolve(flags: TargetFlags, env: dict[str, str] | None = None) -> Target:
     remembered = _remembered()
     if "host" in explicit and remembered.get("host") != explicit["host"]:
         remembered = {}  # another host was asked for: its container number means nothing there
-    merged = _from_config(config) | remembered | explicit
+    return _target(_from_config(config) | remembered | explicit, flags)
+
+
+def _target(merged: dict[str, Any], flags: TargetFlags) -> Target:
     timeout = flags.connect_timeout if flags.connect_timeout is not None else merged.get("connect_timeout")
     if "host" not in merged:
         raise usage_error("no host: pass --host HOST (or TARGET, or set GPUCTL_HOST)")
@@ -190,13 +202,91 @@ def resolve(flags: TargetFlags, env: dict[str, str] | None = None) -> Target:
                    connect_timeout=timeout or DEFAULT_CONNECT_TIMEOUT)
 
 
-def remember(target: Target) -> None:
-    """Keep the target of a successful launch so the next command needs no flags."""
-    path = paths.state_dir() / REMEMBERED
-    keep = {k: v for k, v in asdict(target).items()
-            if k in ENV and v is not None}
+# Where a node's fields come from besides its own TARGET or profile: the rest of the command line and environment.
+NODE_KEYS = ("identity", "ssh_config", "user", "port")
+
+
+def _node(spec: str, config: dict[str, Any], common: dict[str, Any], flags: TargetFlags) -> Target:
+    """One node of a multi-node run: a profile name of config.toml, else [USER@]HOST[:PORT]/CTID."""
+    profiles = config.get("profiles")
+    if isinstance(profiles, dict) and spec in profiles:
+        own = _profile(config, spec, f"node {spec!r}")
+    else:
+        own = _validated(parse_target_arg(spec), f"node {spec!r}")
+    if "host" not in own or "ct" not in own:
+        raise usage_error(f"node {spec!r} names no {'container' if 'host' in own else 'host'}: a node is "
+                          "[USER@]HOST[:PORT]/CTID or a profile of config.toml with host and ct")
+    return _target(_from_config(config) | common | own, flags)
+
+
+def _common(flags: TargetFlags, env: dict[str, str]) -> dict[str, Any]:
+    """What applies to every node: the target options (and GPUCTL_*) that name no host or container."""
+    layer = _from_env(env) | _validated({k: getattr(flags, k) for k in NODE_KEYS}, "command line")
+    return {k: v for k, v in layer.items() if k in NODE_KEYS}
+
+
+def resolve_nodes(flags: TargetFlags, nodes: list[str], cluster: str | None,
+                  env: dict[str, str] | None = None) -> list[Target]:
+    """The targets of `launch --node TARGET...` (node 0 first) or `--cluster NAME`."""
+    env = dict(os.environ) if env is None else env
+    if flags.target or flags.host or flags.ct or flags.profile:
+        raise usage_error("--node and --cluster name the containers: leave out TARGET, --host, --ct and --profile")
+    config = _read_config()
+    if cluster is not None:
+        if nodes:
+            raise usage_error("--node and --cluster cannot be combined")
+        clusters = config.get("clusters")
+        entry = clusters.get(cluster) if isinstance(clusters, dict) else None
+        if not isinstance(entry, dict):
+            known = ", ".join(sorted(clusters)) if isinstance(clusters, dict) and clusters else "none"
+            raise usage_error(f"--cluster: no cluster {cluster!r} in {paths.config_file()} (clusters: {known})")
+        nodes = entry.get("nodes")
+        if not isinstance(nodes, list) or not nodes or not all(isinstance(n, str) for n in nodes):
+            raise usage_error(f"cluster {cluster!r} in {paths.config_file()}: nodes must be a list of targets or "
+                              "profile names")
+    common = _common(flags, env)
+    targets = [_node(spec, config, common, flags) for spec in nodes]
+    seen = set()
+    for t in targets:
+        if (t.host, t.port, t.ct) in seen:
+            raise usage_error(f"{t.describe()} is named twice: each node is a container of its own")
+        seen.add((t.host, t.port, t.ct))
+    return targets
+
+
+def remembered_nodes(flags: TargetFlags, env: dict[str, str] | None = None) -> tuple[list[Target], int] | None:
+    """The last launch's nodes and run number, when it was a multi-node run and no host, container or profile is
+    asked for (by the command line or GPUCTL_*); None otherwise (then `resolve` gives the one target)."""
+    env = dict(os.environ) if env is None else env
+    if flags.target or flags.host or flags.ct or flags.profile or any(
+            env.get(var) for var in ("GPUCTL_HOST", "GPUCTL_CT", "GPUCTL_PROFILE")):
+        return None
+    try:
+        doc = json.loads((paths.state_dir() / REMEMBERED).read_text())
+        nodes, number = doc["nodes"], int(doc["run"])
+        common = _common(flags, env)
+        # A node's own user and port stay its own; the key and ssh_config asked for now apply to every node.
+        below = {k: v for k, v in common.items() if k in ("user", "port")}
+        above = {k: v for k, v in common.items() if k not in below}
+        return [_target(below | _validated(node, "remembered node") | above, flags) for node in nodes], number
+    except (OSError, ValueError, KeyError, TypeError, GpuctlError):
+        return None  # a single target remembered, or nothing: resolve() goes on as before
+
+
+def _kept(target: Target) -> dict[str, Any]:
+    keep = {k: v for k, v in asdict(target).items() if k in ENV and v is not None}
     if keep.get("ssh_config"):
         keep["ssh_config"] = str(Path(keep["ssh_config"]).expanduser().resolve())
+    return keep
+
+
+def remember(target: Target, nodes: list[Target] | None = None, run: int | None = None) -> None:
+    """Keep the target of a successful launch so the next command needs no flags; for a multi-node run, every
+    node and the run's number (node 0 is also the target the other layers read)."""
+    path = paths.state_dir() / REMEMBERED
+    keep = _kept(target)
+    if nodes:
+        keep.update(nodes=[_kept(node) for node in nodes], run=run)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(keep, indent=1) + "\n")

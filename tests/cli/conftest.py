@@ -13,12 +13,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.sandbox import StandInHost
+from tests.sandbox import ALIAS, StandInHost
+from tests.sandbox.host import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 _ctids = itertools.count(200)
@@ -122,11 +124,15 @@ class Gpuctl:
         return self.host.path_in(self.ctid, path)
 
 
-@pytest.fixture(scope="session")
-def standin(tmp_path_factory) -> StandInHost:
-    host = StandInHost(tmp_path_factory.mktemp("standin")).start()
+def started_host(tmp_path_factory, name: str) -> Iterator[StandInHost]:
+    host = StandInHost(tmp_path_factory.mktemp(name)).start()
     yield host
     host.stop()
+
+
+@pytest.fixture(scope="session")
+def standin(tmp_path_factory) -> StandInHost:
+    yield from started_host(tmp_path_factory, "standin")
 
 
 @pytest.fixture
@@ -142,3 +148,85 @@ def gpuctl(standin: StandInHost, ctid: int, tmp_path: Path) -> Gpuctl:
     home = tmp_path / "home"
     home.mkdir()
     return Gpuctl(standin, ctid, home)
+
+
+# Multi-node runs (launch --node): containers as nodes, on the stand-in host and on a second one behind it.
+
+SECOND_HOST = "pve2"  # the second stand-in host's alias: reached only through ProxyJump via the first
+
+
+@dataclass
+class NodeSet:
+    """The containers of a multi-node run, node 0 first: (stand-in host, CTID, the TARGET that names it), and
+    `gpuctl` pointed at an ssh_config that reaches them all, with no host or container of its own (so a command
+    without options acts on the remembered nodes)."""
+
+    gpuctl: Gpuctl
+    nodes: list[tuple[StandInHost, int, str]]
+
+    def node_args(self) -> list[str]:
+        return [arg for _, _, spec in self.nodes for arg in ("--node", spec)]
+
+    @staticmethod
+    def rendezvous_args() -> list[str]:
+        """The stand-in shares this machine's network (a container has no address of its own): node 0 on
+        127.0.0.1 at a free port, gloo on the loopback interface (DESIGN §8)."""
+        return ["--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--env", "GLOO_SOCKET_IFNAME=lo"]
+
+    def path(self, k: int, path: str) -> Path:
+        host, ctid, _ = self.nodes[k]
+        return host.path_in(ctid, path)
+
+    def processes(self, k: int) -> list[int]:
+        host, ctid, _ = self.nodes[k]
+        return host.container_processes(ctid)
+
+    def launch_fake(self, *sets: str, extra: tuple[str, ...] = ()) -> Result:
+        """Launch the fake trainer on every node, like Gpuctl.launch_fake."""
+        args = ["launch", *self.node_args(), "--python", "fake-trainer", "--json", *extra]
+        for item in sets:
+            args += ["--set", f"fake.{item}"]
+        return self.gpuctl(*args)
+
+
+def node_set(home: Path, ssh_config: Path, nodes: list[tuple[StandInHost, int, str]]) -> NodeSet:
+    gpuctl = Gpuctl(nodes[0][0], nodes[0][1], home)
+    for var in ("GPUCTL_HOST", "GPUCTL_CT"):
+        gpuctl.env.pop(var)
+    gpuctl.env["GPUCTL_SSH_CONFIG"] = str(ssh_config)
+    return NodeSet(gpuctl, nodes)
+
+
+@pytest.fixture
+def two_containers(standin: StandInHost, tmp_path: Path) -> NodeSet:
+    """Two containers of the stand-in host as nodes 0 and 1."""
+    ctids = [next(_ctids), next(_ctids)]
+    for ctid in ctids:
+        standin.add_container(ctid)
+    (tmp_path / "nodes-home").mkdir()  # beside `gpuctl`'s home, when a test takes both
+    yield node_set(tmp_path / "nodes-home", standin.ssh_config, [(standin, c, f"{ALIAS}/{c}") for c in ctids])
+    for ctid in ctids:
+        standin.kill_container_processes(ctid)
+
+
+@pytest.fixture(scope="session")
+def second_host(tmp_path_factory) -> StandInHost:
+    """A second stand-in host (its own sshd on 127.0.0.1, its own containers)."""
+    yield from started_host(tmp_path_factory, "standin2")
+
+
+@pytest.fixture
+def two_hosts(standin: StandInHost, second_host: StandInHost, tmp_path: Path) -> NodeSet:
+    """Node 0 a container of the stand-in host, node 1 one of the second host, which the ssh_config reaches only
+    through `ProxyJump` via the first (host keys checked on both hops)."""
+    first, second = next(_ctids), next(_ctids)
+    standin.add_container(first)
+    second_host.add_container(second)
+    config = tmp_path / "ssh_config"
+    config.write_text(standin.ssh_config_entry(ALIAS)
+                      + second_host.ssh_config_entry(SECOND_HOST, extra=(f"ProxyJump {ALIAS}",)))
+    (tmp_path / "nodes-home").mkdir()
+    yield node_set(tmp_path / "nodes-home", config, [(standin, first, f"{ALIAS}/{first}"),
+                                               (second_host, second, f"{SECOND_HOST}/{second}")])
+    standin.kill_container_processes(first)
+    second_host.kill_container_processes(second)

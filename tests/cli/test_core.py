@@ -80,8 +80,10 @@ def test_broken_config_file_is_a_usage_error(xdg):
 
 def test_scripts_quote_every_value_and_refuse_missing_ones():
     rendered = scripts.render("run.sh", stage_dir="/root/gpuctl", workdir="/w d", python="py",
-                              module="training.train", config="a'b", sets=["k=$(x)"], resume=False, takes_resume=True)
+                              module="training.train", config="a'b", sets=["k=$(x)"], resume=False, takes_resume=True,
+                              env=[("NCCL_DEBUG", "$(y) z")], rendezvous=[])
     assert "cd '/w d'" in rendered
+    assert "export NCCL_DEBUG='$(y) z'" in rendered
     assert "--config 'a'\"'\"'b' --set 'k=$(x)' \"$@\"" in rendered  # "$@": a --retry attempt's --resume
     with pytest.raises(jinja2.UndefinedError):
         scripts.render("run.sh", stage_dir="/root/gpuctl")
@@ -210,3 +212,48 @@ def test_resume_takes_an_optional_run_number():
     assert _bare_resume(["launch", "--resume", "tl3", "pve/200"]) == ["launch", "--resume", "tl3", "pve/200"]
     assert _bare_resume(["launch", "--resume", "7"]) == ["launch", "--resume", "7"]
     assert _bare_resume(["status", "--resume"]) == ["status", "--resume"]  # not launch's: left to the parser
+
+
+def test_nodes_from_options_profiles_and_clusters(xdg, monkeypatch, capsys):
+    """`launch --node`/`--cluster`: each node a target or a profile; the node set is remembered; --dry-run shows
+    each node's rendezvous; bad node sets are one-line usage errors."""
+    from gpuctl import cli
+
+    for var in target.ENV.values():
+        monkeypatch.delenv(var, raising=False)
+    write_config(xdg, 'user = "ada"\n[profiles.second]\nhost = "pve2"\nct = 201\nport = 2222\n'
+                      '[clusters.big]\nnodes = ["pve1/200", "second"]\n[clusters.bad]\nnodes = "pve1/200"\n')
+    flags = target.TargetFlags(identity="/k")
+    nodes = target.resolve_nodes(flags, [], "big", env={})
+    assert [(t.host, t.ct, t.port, t.user, t.identity) for t in nodes] == [
+        ("pve1", 200, None, "ada", "/k"), ("pve2", 201, 2222, "ada", "/k")]
+    assert [t.spec() for t in nodes] == ["ada@pve1/200", "ada@pve2:2222/201"]
+    assert target.resolve_nodes(flags, ["pve1/200", "second"], None, env={}) == nodes
+    for nodes_, cluster, message in ([["pve1"], None, "names no container"], [[], "nope", "no cluster 'nope'"],
+                                     [[], "bad", "nodes must be a list"], [["a/200", "a/200"], None, "named twice"]):
+        with pytest.raises(GpuctlError, match=message) as e:
+            target.resolve_nodes(target.TargetFlags(), nodes_, cluster, env={})
+        assert e.value.code == ExitCode.USAGE
+    with pytest.raises(GpuctlError, match="leave out TARGET"):
+        target.resolve_nodes(target.TargetFlags(ct=300), ["a/200"], None, env={})
+
+    target.remember(nodes[0], nodes=nodes, run=7)
+    assert target.remembered_nodes(target.TargetFlags(), env={}) == (nodes, 7)
+    assert target.remembered_nodes(target.TargetFlags(), env={"GPUCTL_CT": "300"}) is None  # one container asked for
+    assert target.resolve(target.TargetFlags(), env={}).ct == 200  # node 0, for the single-container commands
+    target.remember(nodes[1])  # a launch of one container forgets the set
+    assert target.remembered_nodes(target.TargetFlags(), env={}) is None
+
+    assert cli.run(["launch", "--cluster", "big", "--dry-run", "--env", "NCCL_SOCKET_IFNAME=eth0",
+                    "--master-port", "29600"]) == 0
+    plan = capsys.readouterr().out
+    assert plan.count("# node ") == 2 and "# node 1 of 2: CT 201 on pve2" in plan
+    assert "export RANK=1" in plan and "export WORLD_SIZE=2" in plan and "export MASTER_PORT=29600" in plan
+    assert "export NCCL_SOCKET_IFNAME=eth0" in plan and "export MASTER_ADDR='<node 0'\"'\"'s address>'" in plan
+    for args, message in ((["--cluster", "big", "--retry", "1"], "--retry is not supported for multi-node"),
+                          (["--cluster", "big", "--master-port", "0"], "--master-port must be"),
+                          (["--node", "a/200", "--cluster", "big"], "cannot be combined"),
+                          (["--cluster", "big", "--env", "WORLD_SIZE=3"], "--env cannot set WORLD_SIZE")):
+        assert cli.run(["launch", *args, "--dry-run"]) == ExitCode.USAGE
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err

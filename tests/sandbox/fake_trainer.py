@@ -18,6 +18,9 @@ into <output_dir>/export/ when it ends with exit 0. Behaviour comes from `--set 
   fake.require=PATH      fail (exit 3, before any step) unless PATH exists (`launch --retry` tests: the data
                          file that appears only later); the trainer's --resume is accepted and ignored
   fake.exit_seq=C1,C2,.. the Kth start in this output_dir exits CK before any step (the last one repeated)
+  fake.env=K1,K2,..      print `env: {JSON}` second: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and K1, K2..
+                         as this process got them (null where unset): a multi-node launch's contract
+  fake.fail_rank=K       the node with RANK=K fails after its first step: `error: fake failure on node K`, exit 1
 
 Called as `fake-trainer -m training.export RUN_OR_CHECKPOINT_DIR OUT_DIR [--dtype D] [--force]` it stands in
 for the real exporter's interface: the newest complete checkpoint of a run's output_dir (or the checkpoint
@@ -132,6 +135,10 @@ def main(argv: list[str]) -> int:
         return export_main(argv[2:])
     print("argv: " + json.dumps(argv), flush=True)
     opts = options(argv)
+    if "env" in opts:
+        keys = ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", *filter(None, opts["env"].split(","))]
+        print("env: " + json.dumps({key: os.environ.get(key) for key in keys}), flush=True)
+    fails = opts.get("fail_rank") is not None and os.environ.get("RANK") == opts["fail_rank"]
     steps, step_s, code = int(opts.get("steps", 5)), float(opts.get("step_s", 0.05)), int(opts.get("exit", 0))
     save_every = int(opts.get("save_every", 0))
     out = output_dir(argv)
@@ -175,6 +182,9 @@ def main(argv: list[str]) -> int:
                 f.write(json.dumps({"step": step, "total_steps": steps, "loss": loss, "lr": 1e-3,
                                     "tokens_per_s": 1000.0, "time": time.time() - start}) + "\n")
         done = step
+        if fails:
+            print(f"error: fake failure on node {opts['fail_rank']}", flush=True)
+            return 1
         if (save_every and step % save_every == 0) or step == steps:
             save_checkpoint(out, step, opts)
     if code == 0 and opts.get("export") != "0" and done:

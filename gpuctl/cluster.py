@@ -1,0 +1,437 @@
+"""One run across several containers (nodes), on one or several hosts (ARCHITECTURE §8): the node set, the
+all-or-nothing launch, and status, kill and runs over every node. No Typer, no Rich, like gpuctl.commands, on
+which it stands: each node is an ordinary Container with its own SSH connection, and each node's run an ordinary
+run of that container (its wrapper, process group and record), so every single-node command stays exact on it.
+
+Node k's trainer is told RANK=k, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (torch.distributed's env://), beside
+the user's --env; node 0 is the first node given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+from gpuctl import commands, ssh
+from gpuctl.commands import (
+    KillResult,
+    LaunchOptions,
+    LaunchResult,
+    NodeRole,
+    Notify,
+    PendingLaunch,
+    StatusReport,
+)
+from gpuctl.container import Container
+from gpuctl.errors import ExitCode, GpuctlError, usage_error
+from gpuctl.runs import Run, State
+from gpuctl.target import Target
+
+DEFAULT_MASTER_PORT = 29500
+UNDO_GRACE_S = 10.0  # a launch that failed on one node: how long the runs it started elsewhere get to stop
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+@dataclass
+class Node:
+    """One node of the set: its index (its RANK), its target, and its connection, or why there is none."""
+
+    index: int
+    target: Target
+    ct: Container | None = None
+    error: GpuctlError | None = None
+
+    def describe(self) -> str:
+        return f"node {self.index} ({self.target.describe()})"
+
+    def failed(self, error: GpuctlError) -> GpuctlError:
+        """The error, saying which node it happened on."""
+        return GpuctlError(f"{self.describe()}: {error}", error.code)
+
+
+def on_each(items: Sequence[T], action: Callable[[T], U]) -> list[U | BaseException]:
+    """action on every item at once (a thread each: one SSH session per node); its result or what it raised."""
+    if not items:
+        return []
+
+    def attempt(item: T) -> U | BaseException:
+        try:
+            return action(item)
+        except Exception as e:  # noqa: BLE001 - handed back: the caller decides once every node has answered
+            return e
+
+    with ThreadPoolExecutor(max_workers=len(items)) as pool:
+        return list(pool.map(attempt, items))
+
+
+@contextmanager
+def connected(targets: Sequence[Target], stats: ssh.Stats | None = None) -> Iterator[list[Node]]:
+    """A connection to every node at once; a node that cannot be reached has its error instead. Node 0's
+    connection counts into `stats` (GPUCTL_TRACE)."""
+    nodes = [Node(i, t) for i, t in enumerate(targets)]
+
+    def connect(node: Node) -> Container:
+        return Container(session=ssh.connect(node.target, stats if node.index == 0 else None), target=node.target)
+
+    for node, outcome in zip(nodes, on_each(nodes, connect)):
+        if isinstance(outcome, Container):
+            node.ct = outcome
+        elif isinstance(outcome, GpuctlError):
+            node.error = outcome
+        else:
+            _close(nodes)
+            raise outcome
+    try:
+        yield nodes
+    finally:
+        _close(nodes)
+
+
+def _close(nodes: list[Node]) -> None:
+    for node in nodes:
+        if node.ct:
+            node.ct.session.close()
+
+
+def _first_problem(nodes: list[Node], outcomes: list[Any]) -> BaseException | None:
+    """The first node's error (node order), said with its node; a bug of ours as it was."""
+    for node, outcome in zip(nodes, outcomes):
+        if isinstance(outcome, GpuctlError):
+            return node.failed(outcome)
+        if isinstance(outcome, BaseException):
+            return outcome
+    return None
+
+
+# launch ---------------------------------------------------------------------------------------------------
+
+@dataclass
+class ClusterLaunch:
+    number: int
+    master_addr: str
+    master_port: int
+    nodes: list[Node]
+    results: list[LaunchResult]  # node order
+
+    @property
+    def run_id(self) -> str:
+        return f"tl{self.number}"
+
+
+def check_cluster_options(targets: list[Target], opts: LaunchOptions, master_addr: str | None,
+                          master_port: int) -> None:
+    """A multi-node launch's options, checked before any connection (and what it cannot do yet)."""
+    commands.check_launch_options(opts)
+    check_master_addr(master_addr)
+    check_master_port(master_port)
+    if len(targets) < 2:
+        raise usage_error("a multi-node run needs at least two nodes (one container is a plain launch)")
+    if opts.retry:
+        raise usage_error("--retry is not supported for multi-node runs yet: one node's restart cannot rejoin the "
+                          "others (it needs a whole-run restart); launch again with --resume when it fails")
+
+
+def check_master_port(port: int) -> None:
+    if not 1 <= port <= 65535:
+        raise usage_error(f"--master-port must be a number from 1 to 65535, got {port}")
+
+
+def check_master_addr(addr: str | None) -> None:
+    if addr is not None and (not addr.strip() or any(c.isspace() or ord(c) < 32 for c in addr)):
+        raise usage_error(f"--master-addr takes an address or host name, got {addr!r}")
+
+
+def launch(nodes: list[Node], opts: LaunchOptions, master_addr: str | None, master_port: int,
+           notify: Notify) -> ClusterLaunch:
+    """One run on every node, all or nothing: every node's launch lock is taken and its state read (in parallel)
+    before any node is told to start; a node that refuses (unreachable, container stopped, locked, an active run)
+    makes every other give its lock back with nothing started. The run number is the next one free on every
+    node. Should a node fail to start after that, the runs started on the others are killed. With --resume,
+    every node continues its own run of one number (0: the latest, which must be the same run everywhere)."""
+    commands.check_launch_options(opts)
+    check_master_addr(master_addr)
+    check_master_port(master_port)
+    specs = tuple(node.target.spec() for node in nodes)
+    roles = [NodeRole(rank=node.index, nodes=specs, master_port=master_port, master_addr=master_addr)
+             for node in nodes]
+
+    def say(node: Node) -> Notify:
+        return lambda text: notify(f"node {node.index}: {text}")
+
+    checked: list[tuple[LaunchOptions, Path | None]] = [(opts, None)] * len(nodes)  # each node's, resumed
+
+    def begin(node: Node) -> PendingLaunch:
+        if node.error:
+            raise node.error
+        checked[node.index] = commands.check_launch_options(commands.resuming(node.ct, opts))
+        node_opts = replace(checked[node.index][0], node=roles[node.index])
+        return commands.begin_launch(node.ct, commands.launch_values(node.target, node_opts), node_opts.task.value,
+                                     say(node))
+
+    outcomes = on_each(nodes, begin)
+    pending = [p for p in outcomes if isinstance(p, PendingLaunch)]
+    problem = _first_problem(nodes, outcomes)
+    resumed = {node_opts.resume for node_opts, _ in checked}
+    if problem is None and len(resumed) > 1:
+        runs = ", ".join(f"node {k} tl{node_opts.resume}" for k, (node_opts, _) in enumerate(checked))
+        problem = usage_error(f"--resume: the nodes' latest runs differ ({runs}): pass --resume N")
+    if problem is None and not opts.replace:
+        busy = [(node, p) for node, p in zip(nodes, pending) if p.report.active]
+        problem = busy[0][0].failed(commands.active_conflict(busy[0][1])) if busy else None
+    if problem is not None:
+        on_each(pending, PendingLaunch.abort)  # every lock goes; nothing was started anywhere
+        if isinstance(problem, GpuctlError):
+            raise GpuctlError(f"{problem}; nothing was started on any node", problem.code)
+        raise problem
+
+    number = max(p.report.last_number or 0 for p in pending) + 1
+    addr = master_addr or pending[0].report.address
+    if not addr:
+        addr = "127.0.0.1"
+        notify(f"node 0 ({nodes[0].target.describe()}) has no address of its own (hostname -I says none): "
+               "MASTER_ADDR=127.0.0.1, which only the nodes on its host can reach; pass --master-addr")
+    roles = [replace(role, master_addr=addr) for role in roles]
+
+    def start(node: Node) -> LaunchResult:
+        node_opts, config_file = checked[node.index]
+        node_opts = replace(node_opts, node=roles[node.index])
+        result = commands.finish_launch(pending[node.index], commands.launch_package(node_opts, config_file),
+                                        opts.replace, say(node), number=number)
+        return replace(result, resumed_from=node_opts.resume)
+
+    outcomes = on_each(nodes, start)
+    problem = _first_problem(nodes, outcomes)
+    if problem is not None:
+        _undo(nodes, number, notify)
+        if isinstance(problem, GpuctlError):
+            raise GpuctlError(f"{problem}; the run was killed on the nodes where it had started", problem.code)
+        raise problem
+    return ClusterLaunch(number=number, master_addr=addr, master_port=master_port, nodes=nodes, results=outcomes)
+
+
+def _undo(nodes: list[Node], number: int, notify: Notify) -> None:
+    """Kill run `number` wherever it started (a node where it did not start has no such run: nothing to do)."""
+
+    def undo(node: Node) -> None:
+        try:
+            commands.kill(node.ct, number, "TERM", UNDO_GRACE_S, notify=lambda _: None)
+        except GpuctlError as e:
+            if e.code != ExitCode.USAGE:  # USAGE: no run tlN there, it never started
+                notify(f"{node.describe()}: could not kill tl{number}: {e}")
+
+    on_each(nodes, undo)
+
+
+# status ---------------------------------------------------------------------------------------------------
+
+@dataclass
+class NodeStatus:
+    node: Node
+    report: StatusReport | None  # None: the node could not be read (error says why)
+    error: GpuctlError | None = None
+
+    @property
+    def run(self) -> Run | None:
+        return self.report.run if self.report else None
+
+    def problem(self) -> str | None:
+        """Why this node has no run to show: unreachable, its container stopped, no such run."""
+        if self.error:
+            return str(self.error)
+        if self.report.container_status != "running":
+            return f"container {self.report.ctid} is {self.report.container_status}"
+        return None if self.run else "no such run"
+
+    def to_json(self) -> dict[str, Any]:
+        run = self.run.to_json() if self.run else {}
+        return {"node": self.node.index, "target": self.node.target.spec(), "run_id": run.get("run_id"),
+                "state": run.get("state"), "exit_code": run.get("exit_code"), "pid": run.get("pid"),
+                "started_at": run.get("started_at"), "log_path": run.get("log_path"), "progress": run.get("progress"),
+                "gpus": [g.to_json() for g in self.report.gpus] if self.report else [],
+                "container": ({"ctid": self.report.ctid, "status": self.report.container_status,
+                               "host": self.report.host} if self.report else
+                              {"ctid": self.node.target.ct, "status": None, "host": self.node.target.host}),
+                "last_line": self.last_line(), "error": self.problem()}
+
+    def last_line(self) -> str | None:
+        """The log's last line once the node's run ended (a trainer that fails says why there)."""
+        return self.report.last_line if self.run and not self.run.state.active else None
+
+
+def combined_state(nodes: list[tuple[Node, Run | None, str | None]],
+                   last_lines: dict[int, str | None] | None = None) -> tuple[State | None, str | None]:
+    """A multi-node run's one state from its nodes' (node, run, why there is no run): killed when any node was
+    killed; failed when any failed or was lost, or cannot be read while others run; succeeded when all did;
+    running while every node runs (or some already finished well); and why, naming the node (with its log's
+    last line, from last_lines by node index, when known)."""
+    runs = [(node, run) for node, run, _ in nodes if run]
+    missing = [(node, why) for node, run, why in nodes if not run]
+    if not runs:
+        return None, None
+    killed = [(node, run) for node, run in runs if run.state == State.KILLED]
+    if killed:  # by `gpuctl kill` of the run (every node), or one node's by hand (then say which)
+        node, run = killed[0]
+        return State.KILLED, (None if len(killed) == len(nodes) else
+                              f"{node.describe()} was killed (SIG{run.record.get('killed_signal') or 'KILL'})")
+    for node, run in runs:
+        if run.state in (State.FAILED, State.LOST):
+            exit_code = f" (exit {run.exit_code})" if run.exit_code is not None else ""
+            said = (last_lines or {}).get(node.index)
+            return State.FAILED, f"{node.describe()} {run.state.value}{exit_code}" + (f": {said}" if said else "")
+    if missing:
+        node, why = missing[0]
+        if any(run.state.active for _, run in runs):
+            return State.FAILED, f"{node.describe()} is lost while the others run: {why}"
+        return runs[0][1].state, f"{node.describe()}: {why}"
+    states = {run.state for _, run in runs}
+    if states == {State.SUCCEEDED}:
+        return State.SUCCEEDED, None
+    if State.STARTING in states or State.RETRYING in states:
+        return State.STARTING, None
+    return State.RUNNING, None
+
+
+@dataclass
+class ClusterStatus:
+    nodes: list[NodeStatus]
+    number: int
+
+    def state(self) -> tuple[State | None, str | None]:
+        return combined_state([(n.node, n.run, n.problem()) for n in self.nodes],
+                              {n.node.index: n.last_line() for n in self.nodes})
+
+    def exit_code(self) -> int | None:
+        """The first failed node's exit code; once every node ended well, 0; else None."""
+        runs = [n.run for n in self.nodes if n.run]
+        failed = [r.exit_code for r in runs if r.state in (State.FAILED, State.KILLED) and r.exit_code is not None]
+        if failed:
+            return failed[0]
+        return 0 if runs and len(runs) == len(self.nodes) and all(r.exit_code == 0 for r in runs) else None
+
+    def to_json(self) -> dict[str, Any]:
+        """Node 0's status document, with the run's state over every node, why, and each node's own."""
+        first = self.nodes[0]
+        doc = first.report.to_json() if first.report else dict.fromkeys(("run_id", "pid", "started_at", "log_path",
+                                                                         "progress", "container"))
+        doc.setdefault("gpus", [])
+        state, reason = self.state()
+        doc.update(run_id=f"tl{self.number}", state=state.value if state else None, exit_code=self.exit_code(),
+                   reason=reason, nodes=[n.to_json() for n in self.nodes])
+        return doc
+
+    def unreadable(self) -> GpuctlError | None:
+        """The first node that could not be read, as the error gpuctl status exits with."""
+        for n in self.nodes:
+            if n.error and n.error.code != ExitCode.USAGE:  # USAGE: the node has no such run (its row says so)
+                return n.node.failed(n.error)
+            if n.report.container_status != "running":
+                return n.node.failed(GpuctlError(n.problem(), ExitCode.CONTAINER))
+        return None
+
+
+def status(nodes: list[Node], number: int) -> ClusterStatus:
+    def read(node: Node) -> StatusReport:
+        if node.error:
+            raise node.error
+        return commands.status(node.ct, number, last_line=True)
+
+    found = []
+    for node, outcome in zip(nodes, on_each(nodes, read)):
+        if isinstance(outcome, StatusReport):
+            found.append(NodeStatus(node, outcome))
+        elif isinstance(outcome, GpuctlError):
+            found.append(NodeStatus(node, None, outcome))
+        else:
+            raise outcome
+    return ClusterStatus(found, number)
+
+
+# kill and runs --------------------------------------------------------------------------------------------
+
+@dataclass
+class NodeKill:
+    node: Node
+    result: KillResult | None
+    error: GpuctlError | None = None
+
+
+def kill(nodes: list[Node], number: int, signal_name: str, grace: float, notify: Notify) -> list[NodeKill]:
+    """Kill run `number` on every node at once; a node that cannot be reached is reported, the others killed."""
+
+    def end(node: Node) -> KillResult:
+        if node.error:
+            raise node.error
+        return commands.kill(node.ct, number, signal_name, grace, notify=lambda text: notify(f"node {node.index}: "
+                                                                                              f"{text}"))
+
+    done = []
+    for node, outcome in zip(nodes, on_each(nodes, end)):
+        if isinstance(outcome, KillResult):
+            done.append(NodeKill(node, outcome))
+        elif isinstance(outcome, GpuctlError):
+            done.append(NodeKill(node, None, node.failed(outcome)))
+        else:
+            raise outcome
+    return done
+
+
+@dataclass
+class ClusterRun:
+    """A run number across the nodes: each node's run of that number (None where the node has none)."""
+
+    number: int
+    runs: list[tuple[Node, Run | None]]
+
+    @property
+    def present(self) -> list[tuple[Node, Run]]:
+        return [(node, run) for node, run in self.runs if run]
+
+    def state(self) -> tuple[State | None, str | None]:
+        return combined_state([(node, run, None) for node, run in self.present])
+
+    def to_json(self) -> dict[str, Any]:
+        state, reason = self.state()
+        return dict(self.present[0][1].to_json(), state=state.value if state else None, reason=reason,
+                    nodes=[{"node": node.index, "target": node.target.spec(), "state": run.state.value,
+                            "exit_code": run.exit_code, "pid": run.record.get("pid"), "log_path": run.log_path}
+                           for node, run in self.present])
+
+
+def list_runs(nodes: list[Node]) -> tuple[list[ClusterRun], list[GpuctlError]]:
+    """Every run of every node, by run number (a multi-node run once, with its nodes); the nodes that could not
+    be read."""
+
+    def read(node: Node) -> list[Run]:
+        if node.error:
+            raise node.error
+        return commands.list_runs(node.ct)
+
+    by_node: dict[int, dict[int, Run]] = {}
+    errors = []
+    for node, outcome in zip(nodes, on_each(nodes, read)):
+        if isinstance(outcome, GpuctlError):
+            errors.append(node.failed(outcome))
+        elif isinstance(outcome, BaseException):
+            raise outcome
+        else:
+            by_node[node.index] = {run.number: run for run in outcome}
+    numbers = sorted({n for runs in by_node.values() for n in runs})
+    return [ClusterRun(n, [(node, by_node.get(node.index, {}).get(n)) for node in nodes]) for n in numbers], errors
+
+
+def plan_launch(targets: list[Target], opts: LaunchOptions, master_addr: str | None, master_port: int) -> str:
+    """What `launch --node ... --dry-run` shows: each node's launch, as `launch --dry-run` shows one."""
+    check_master_addr(master_addr)
+    check_master_port(master_port)
+    specs = tuple(t.spec() for t in targets)
+    plans = []
+    for rank, target in enumerate(targets):
+        role = NodeRole(rank=rank, nodes=specs, master_port=master_port, master_addr=master_addr or "<node 0's address>")
+        plans.append(f"# node {rank} of {len(targets)}: {target.describe()}\n"
+                     + commands.plan_launch(target, replace(opts, node=role)))
+    return "\n".join(plans)

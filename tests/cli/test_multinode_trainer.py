@@ -1,0 +1,144 @@
+"""A multi-node run of the real trainer through gpuctl (issue 15): `launch --node` on two containers of the
+stand-in host, and on two stand-in hosts (the second behind ProxyJump), trains what one container trains; a
+node killed mid-run fails the run naming it; `kill` ends every node; other data on node 1 is refused.
+
+Each node is a real `python -m training.train` in its own container (its own /tmp and /workspace), joined
+through gloo on the loopback interface (the stand-in's containers share this machine's network). Losses are held
+to the one-container run's within a relative 1e-5 (the nodes add the same gradients in another order)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+from tenacity import retry, stop_after_delay, wait_fixed
+
+from training.tiny import synthetic_words
+
+pytestmark = [pytest.mark.sshd, pytest.mark.e2e]
+REL_TOL = 1e-5
+# Tiny, four micro-batches a step (two a node), a record each step.
+SMALL = ["num_threads=1", "eval_every=0", "batch_size=4", "micro_batch_size=1", "log_every=1", "max_steps=8",
+         "save_every=4"]
+LONG = ["num_threads=1", "eval_every=0", "batch_size=4", "micro_batch_size=1", "log_every=1",
+        "max_steps=100000", "save_every=100000"]
+
+
+def sets(values: list[str]) -> list[str]:
+    return [arg for value in values for arg in ("--set", value)]
+
+
+def losses(metrics: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r}
+
+
+def assert_close(got: dict[int, float], want: dict[int, float]) -> None:
+    assert sorted(got) == sorted(want) and want
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=REL_TOL), f"step {step}: {got[step]} vs {want[step]}"
+
+
+def wait_for_step(nodes, step: int, timeout: float = 180) -> dict:
+    @retry(stop=stop_after_delay(timeout), wait=wait_fixed(0.5), reraise=True)
+    def reached() -> dict:
+        doc = nodes.gpuctl.status()
+        assert doc["state"] == "running", doc
+        assert all(n["progress"] and n["progress"]["step"] >= step for n in doc["nodes"]), doc
+        return doc
+
+    return reached()
+
+
+@pytest.fixture(params=["two_containers", "two_hosts"])
+def nodes(request):
+    """Two containers of one stand-in host, or one container on each of two hosts (the second through
+    ProxyJump)."""
+    return request.getfixturevalue(request.param)
+
+
+def test_two_nodes_train_what_one_container_trains(gpuctl, nodes):
+    one = gpuctl("launch", "--config", "tiny", *sets(SMALL), "--follow", timeout=600)
+    assert one.code == 0, one.stderr[-3000:]
+    want = losses(gpuctl.path("/workspace/.gpuctl/tl1.metrics.jsonl"))
+
+    two = nodes.gpuctl("launch", *nodes.node_args(), *nodes.rendezvous_args(), "--config", "tiny", *sets(SMALL),
+                       "--follow", timeout=600)
+    assert two.code == 0, two.stderr[-3000:]
+    assert "step 8/8" in two.stdout  # node 0's log, followed to its end
+    for k in (0, 1):
+        assert_close(losses(nodes.path(k, "/workspace/.gpuctl/tl1.metrics.jsonl")), want)
+    assert sorted(p.name for p in nodes.path(0, "/workspace/runs/tiny/checkpoints").iterdir()) == [
+        "step_00000004", "step_00000008"]
+    assert not nodes.path(1, "/workspace/runs/tiny/checkpoints").exists()  # node 0 alone writes them
+    doc = nodes.gpuctl.status()
+    assert (doc["state"], doc["exit_code"]) == ("succeeded", 0)
+    assert [(n["state"], n["progress"]["step"]) for n in doc["nodes"]] == [("succeeded", 8)] * 2
+
+
+def test_a_node_killed_mid_run_fails_the_run_naming_it_and_the_other_ends(two_containers):
+    nodes = two_containers
+    launched = nodes.gpuctl("launch", *nodes.node_args(), *nodes.rendezvous_args(), "--config", "tiny",
+                            *sets(LONG), "--json")
+    assert launched.code == 0, launched.stderr
+    doc = wait_for_step(nodes, 2)
+    os.kill(doc["nodes"][1]["pid"], signal.SIGKILL)  # node 1's trainer dies (no signal handler runs)
+
+    @retry(stop=stop_after_delay(30), wait=wait_fixed(0.5), reraise=True)
+    def node_0_ended() -> dict:
+        doc = nodes.gpuctl.status()
+        assert doc["nodes"][0]["state"] != "running", doc
+        return doc
+
+    doc = node_0_ended()
+    assert doc["state"] == "failed" and "node 1" in doc["reason"], doc
+    assert doc["nodes"][0]["exit_code"] == 6  # the trainer's NODE_LOST
+    assert "node 1 stopped answering" in doc["nodes"][0]["last_line"]
+    assert nodes.processes(0) == [] and nodes.processes(1) == []
+
+
+def test_kill_stops_every_node_at_one_step_and_leaves_no_process(two_containers):
+    nodes = two_containers
+    launched = nodes.gpuctl("launch", *nodes.node_args(), *nodes.rendezvous_args(), "--config", "tiny",
+                            *sets(LONG), "--json")
+    assert launched.code == 0, launched.stderr
+    wait_for_step(nodes, 2)
+    killed = nodes.gpuctl("kill", "--grace", "60")
+    assert killed.code == 0, killed.stderr
+    assert nodes.processes(0) == [] and nodes.processes(1) == []
+    doc = nodes.gpuctl.status()
+    assert doc["state"] == "killed" and [n["exit_code"] for n in doc["nodes"]] == [0, 0], doc
+    stopped = [[line for line in nodes.path(k, "/workspace/train_tl1.log").read_text().splitlines()
+                if line.startswith("stopped at step")] for k in (0, 1)]
+    assert len(stopped[0]) == 1 and stopped[0][0].split(";")[0] == stopped[1][0].split(";")[0]
+    assert list(nodes.path(0, "/workspace/runs/tiny/checkpoints").iterdir())  # node 0 saved the stop's step
+
+
+def conversations(count: int) -> list[str]:
+    """Conversations in the tiny tokenizer's words, long enough for the recipe (over 2 blocks of loss tokens)."""
+    rng = random.Random(0)
+    words = synthetic_words(300)
+    lines = []
+    for _ in range(count):
+        messages = [{"role": "user", "content": " ".join(rng.choices(words, k=8))},
+                    {"role": "assistant", "content": " ".join(rng.choices(words, k=40))}]
+        lines.append(json.dumps({"messages": messages}))
+    return lines
+
+
+def test_other_data_on_node_1_is_refused_at_start_on_every_node(two_containers):
+    nodes = two_containers
+    data = conversations(40)
+    nodes.path(0, "/workspace/data.jsonl").write_text("\n".join(data) + "\n")
+    nodes.path(1, "/workspace/data.jsonl").write_text("\n".join(data[1:]) + "\n")
+    launched = nodes.gpuctl("launch", *nodes.node_args(), *nodes.rendezvous_args(), "--config", "tiny",
+                            *sets([*SMALL, "data_path=/workspace/data.jsonl", "eval_data_path="]), "--follow",
+                            timeout=600)
+    assert launched.code != 0
+    doc = nodes.gpuctl.status()
+    assert doc["state"] == "failed" and [n["exit_code"] for n in doc["nodes"]] == [2, 2], doc
+    for node in doc["nodes"]:
+        assert node["last_line"].startswith("error: node 1 reads other training data than node 0"), node
