@@ -127,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     runs = [one_process(args, gpus, out), two_nodes(args, gpus, out)]
     reference = losses(runs[0])
-    print(f"\n| run | exit | steps | tokens/s (steady) | all_reduce_ms a step (each node) | max rel. loss diff | "
-          f"wall s |\n|---|---|---:|---:|---|---:|---:|")
+    print("\n| run | exit | steps | tokens/s (steady) | all_reduce_ms a step (each node) | max rel. loss diff | "
+          "wall s |\n|---|---|---:|---:|---|---:|---:|")
     for run in runs:
         trained = [r for r in run["records"] if "loss" in r]
         mine = losses(run)

@@ -21,6 +21,7 @@ from gpuctl.commands import (
     KillResult,
     LaunchOptions,
     LaunchResult,
+    LaunchTask,
     NodeRole,
     Notify,
     PendingLaunch,
@@ -134,6 +135,9 @@ def check_cluster_options(targets: list[Target], opts: LaunchOptions, master_add
     if opts.retry:
         raise usage_error("--retry is not supported for multi-node runs yet: one node's restart cannot rejoin the "
                           "others (it needs a whole-run restart); launch again with --resume when it fails")
+    if opts.task is LaunchTask.REGENERATE:
+        raise usage_error("--task regenerate runs in one container (a thread per GPU there); for several, split the "
+                          "prompts and launch one regeneration per container")
 
 
 def check_master_port(port: int) -> None:

@@ -61,7 +61,15 @@ from training.checkpoint import (
 from training.compile import AttentionShape, SharedFlexAttention, projected_qkv
 from training.config import ConfigError, OneLineArgumentParser, TrainConfig, load_config, parse_devices
 from training.data import Batch, BatchStream, DataError, eval_prompts, prepare_sequences
-from training.distributed import NodeLost, Nodes, micro_batch_share, node_env, run_fingerprint, tensor_sums, timeouts_of
+from training.distributed import (
+    NodeLost,
+    Nodes,
+    micro_batch_share,
+    node_env,
+    run_fingerprint,
+    tensor_sums,
+    timeouts_of,
+)
 from training.evaluate import acceptance_length, build_eval_set
 from training.export import export_run
 from training.flops import drafter_flops, target_flops

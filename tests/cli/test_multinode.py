@@ -114,11 +114,14 @@ def test_a_stopped_container_on_node_1_starts_nothing(two_containers):
     assert nodes.processes(0) == []
 
 
-def test_retry_is_refused_for_several_nodes(two_containers):
+def test_retry_and_regenerate_are_refused_for_several_nodes(two_containers):
     refused = two_containers.launch_fake("steps=1", extra=("--retry", "2"))
     assert refused.code == 2
     assert "--retry is not supported for multi-node runs yet" in refused.stderr
     assert "Traceback" not in refused.stderr
+    regenerate = two_containers.gpuctl("launch", *two_containers.node_args(), "--task", "regenerate")
+    assert regenerate.code == 2 and "--task regenerate runs in one container" in regenerate.stderr
+    assert two_containers.processes(0) == [] and two_containers.processes(1) == []
 
 
 def test_a_cluster_of_config_toml_across_two_hosts_through_proxyjump(two_hosts):

@@ -38,8 +38,8 @@ def losses(metrics: Path) -> dict[int, float]:
 
 def assert_close(got: dict[int, float], want: dict[int, float]) -> None:
     assert sorted(got) == sorted(want) and want
-    for step in want:
-        assert got[step] == pytest.approx(want[step], rel=REL_TOL), f"step {step}: {got[step]} vs {want[step]}"
+    for step, loss in want.items():
+        assert got[step] == pytest.approx(loss, rel=REL_TOL), f"step {step}: {got[step]} vs {loss}"
 
 
 def wait_for_step(nodes, step: int, timeout: float = 180) -> dict:

@@ -168,7 +168,7 @@ def test_layout_runs_drives_the_trainer_in_its_smoke_form(tmp_path):
 
 def test_allreduce_bench_runs_two_nodes_on_the_cpu():
     done = subprocess.run([sys.executable, "bench/allreduce_bench.py", "--shape", "small", "--steps", "1"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     assert "| this machine | 2 | gloo (loopback) |" in done.stdout
     assert "| InfiniBand NDR 400 Gb/s" in done.stdout
@@ -176,8 +176,9 @@ def test_allreduce_bench_runs_two_nodes_on_the_cpu():
 
 def test_multinode_runs_bench_compares_one_process_with_two_nodes_on_the_cpu(tmp_path):
     done = subprocess.run([sys.executable, "bench/multinode_runs.py", "--smoke", "--steps", "2", "--out",
-                           str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=400)
+                           str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=400,
+                          check=False)
     assert done.returncode == 0, done.stdout + done.stderr
-    rows = [line for line in done.stdout.splitlines() if line.startswith("| one process") or line.startswith("| two")]
+    rows = [line for line in done.stdout.splitlines() if line.startswith(("| one process", "| two"))]
     assert len(rows) == 2 and "[0, 0]" in rows[1]
     assert len(json.loads((tmp_path / "summary.json").read_text())) == 2
