@@ -270,7 +270,8 @@ class NodeStatus:
 def combined_state(nodes: list[tuple[Node, Run | None, str | None]],
                    last_lines: dict[int, str | None] | None = None) -> tuple[State | None, str | None]:
     """A multi-node run's one state from its nodes' (node, run, why there is no run): killed when any node was
-    killed; failed when any failed or was lost, or cannot be read while others run; succeeded when all did;
+    killed; failed when any failed or was lost (the reason: the one that ended first), or cannot be read while
+    others run; succeeded when all did;
     running while every node runs (or some already finished well); and why, naming the node (with its log's
     last line, from last_lines by node index, when known)."""
     runs = [(node, run) for node, run, _ in nodes if run]
@@ -282,11 +283,14 @@ def combined_state(nodes: list[tuple[Node, Run | None, str | None]],
         node, run = killed[0]
         return State.KILLED, (None if len(killed) == len(nodes) else
                               f"{node.describe()} was killed (SIG{run.record.get('killed_signal') or 'KILL'})")
-    for node, run in runs:
-        if run.state in (State.FAILED, State.LOST):
-            exit_code = f" (exit {run.exit_code})" if run.exit_code is not None else ""
-            said = (last_lines or {}).get(node.index)
-            return State.FAILED, f"{node.describe()} {run.state.value}{exit_code}" + (f": {said}" if said else "")
+    failed = [(node, run) for node, run in runs if run.state in (State.FAILED, State.LOST)]
+    if failed:
+        # The node that ended first is the cause; the others' trainers ended because they lost it. A lost run (no
+        # exit recorded) comes first: its end was not even recorded.
+        node, run = min(failed, key=lambda pair: pair[1].record.get("ended_at", float("-inf")))
+        exit_code = f" (exit {run.exit_code})" if run.exit_code is not None else ""
+        said = (last_lines or {}).get(node.index)
+        return State.FAILED, f"{node.describe()} {run.state.value}{exit_code}" + (f": {said}" if said else "")
     if missing:
         node, why = missing[0]
         if any(run.state.active for _, run in runs):

@@ -94,7 +94,7 @@ def test_a_node_killed_mid_run_fails_the_run_naming_it_and_the_other_ends(two_co
         return doc
 
     doc = node_0_ended()
-    assert doc["state"] == "failed" and "node 1" in doc["reason"], doc
+    assert doc["state"] == "failed" and doc["reason"].startswith(f"node 1 (CT {nodes.nodes[1][1]} on "), doc
     assert doc["nodes"][0]["exit_code"] == 6  # the trainer's NODE_LOST
     assert "node 1 stopped answering" in doc["nodes"][0]["last_line"]
     assert nodes.processes(0) == [] and nodes.processes(1) == []
