@@ -178,10 +178,15 @@ class Nodes:
                                   timeout=timedelta(seconds=timeouts.start_s), wait_for_workers=True)
         except Exception as err:  # noqa: BLE001 - torch raises several kinds here; all mean "could not join"
             raise NodeLost(self._join_failure(err)) from None
-        dist.init_process_group(self.backend, store=store, rank=env.rank, world_size=env.world_size,
-                                timeout=timedelta(seconds=timeouts.sync_s))
-        self._sync_group = dist.group.WORLD
-        self._step_group = dist.new_group(backend=self.backend, timeout=timedelta(seconds=timeouts.step_s))
+        try:
+            dist.init_process_group(self.backend, store=store, rank=env.rank, world_size=env.world_size,
+                                    timeout=timedelta(seconds=timeouts.sync_s))
+            self._sync_group = dist.group.WORLD
+            self._step_group = dist.new_group(backend=self.backend, timeout=timedelta(seconds=timeouts.step_s))
+        except Exception as err:  # noqa: BLE001 - e.g. no usable interface, or a peer gone while connecting
+            raise NodeLost(f"every node joined node 0 at {env.master_addr}:{env.master_port}, but the {self.backend} "
+                           f"process group could not be formed ({type(err).__name__}: {err}); with several "
+                           "interfaces, name the one the nodes share: GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME") from None
         # Its own connection: the heartbeat thread must never wait behind the process group's use of the store.
         beat_store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, False,
                                    timeout=timedelta(seconds=30), wait_for_workers=False)

@@ -40,9 +40,10 @@ def trainer_args(world, output_dir: Path, *overrides: str, resume: bool = False)
     return ["--config", "tiny", *[a for s in sets for a in ("--set", s)], *(["--resume"] if resume else [])]
 
 
-def start_node(args: list[str], rank: int, world_size: int, port: int, log: Path) -> subprocess.Popen:
+def start_node(args: list[str], rank: int, world_size: int, port: int, log: Path,
+               interface: str = "lo") -> subprocess.Popen:
     env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo"}
+           "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": interface}
     env.pop("GPUCTL_METRICS", None)
     with open(log, "w") as out:
         return subprocess.Popen([sys.executable, "-m", "training.train", *args], cwd=REPO, env=env, stdout=out,
@@ -50,13 +51,14 @@ def start_node(args: list[str], rank: int, world_size: int, port: int, log: Path
 
 
 def start_nodes(tiny_world, tmp_path: Path, name: str, per_node: list[list[str]], resume: bool = False,
-                world_size: int | None = None) -> tuple[list[subprocess.Popen], list[Path], list[Path]]:
+                world_size: int | None = None,
+                interface: str = "lo") -> tuple[list[subprocess.Popen], list[Path], list[Path]]:
     """One trainer process per entry of `per_node` (its own overrides), each with its own output dir."""
     port = free_port()
     outputs = [tmp_path / f"{name}-node{rank}" for rank in range(len(per_node))]
     logs = [tmp_path / f"{name}-node{rank}.log" for rank in range(len(per_node))]
     procs = [start_node(trainer_args(tiny_world, out, *sets, resume=resume), rank, world_size or len(per_node),
-                        port, log)
+                        port, log, interface)
              for rank, (out, sets, log) in enumerate(zip(outputs, per_node, logs))]
     return procs, outputs, logs
 
@@ -225,6 +227,14 @@ def test_a_node_that_never_starts_fails_the_run_within_node_start_timeout_s(tiny
     assert time.monotonic() - began < 60
     (line,) = error_lines(logs[0])
     assert "not every node joined within 3 s" in line, line
+
+
+def test_an_interface_the_nodes_cannot_use_is_one_line_naming_the_variable(tiny_world, tmp_path):
+    procs, _, logs = start_nodes(tiny_world, tmp_path, "interface", [[], []], interface="no-such-interface")
+    assert wait_all(procs, 120) == [6, 6]
+    for log in logs:
+        (line,) = error_lines(log)
+        assert "process group could not be formed" in line and "GLOO_SOCKET_IFNAME" in line, line
 
 
 # The pieces.
