@@ -267,8 +267,25 @@ class NodeStatus:
         return self.report.last_line if self.run and not self.run.state.active else None
 
 
-def combined_state(nodes: list[tuple[Node, Run | None, str | None]],
-                   last_lines: dict[int, str | None] | None = None) -> tuple[State | None, str | None]:
+@dataclass(frozen=True)
+class Verdict:
+    """A multi-node run's one state, why, and the node's run that decided it (None where no one node's run did):
+    its exit code is the run's."""
+
+    state: State | None
+    reason: str | None = None
+    run: Run | None = None  # the run of the node that `reason` names (killed or failed), when it has one
+
+    def exit_code(self, runs: list[Run | None]) -> int | None:
+        """The deciding node's exit code; once every node (runs: each node's, None where it has none) ended
+        well, 0; else None."""
+        if self.run is not None:
+            return self.run.exit_code
+        return 0 if runs and all(r is not None and r.exit_code == 0 for r in runs) else None
+
+
+def verdict(nodes: list[tuple[Node, Run | None, str | None]],
+            last_lines: dict[int, str | None] | None = None) -> Verdict:
     """A multi-node run's one state from its nodes' (node, run, why there is no run): killed when any node was
     killed; failed when any failed or was lost (the reason: the one that ended first), or cannot be read while
     others run; succeeded when all did;
@@ -277,12 +294,12 @@ def combined_state(nodes: list[tuple[Node, Run | None, str | None]],
     runs = [(node, run) for node, run, _ in nodes if run]
     missing = [(node, why) for node, run, why in nodes if not run]
     if not runs:
-        return None, None
+        return Verdict(None)
     killed = [(node, run) for node, run in runs if run.state == State.KILLED]
     if killed:  # by `gpuctl kill` of the run (every node), or one node's by hand (then say which)
         node, run = killed[0]
-        return State.KILLED, (None if len(killed) == len(nodes) else
-                              f"{node.describe()} was killed (SIG{run.record.get('killed_signal') or 'KILL'})")
+        return Verdict(State.KILLED, None if len(killed) == len(nodes) else
+                       f"{node.describe()} was killed (SIG{run.record.get('killed_signal') or 'KILL'})", run)
     failed = [(node, run) for node, run in runs if run.state in (State.FAILED, State.LOST)]
     if failed:
         # The node that ended first is the cause; the others' trainers ended because they lost it. A lost run (no
@@ -290,18 +307,26 @@ def combined_state(nodes: list[tuple[Node, Run | None, str | None]],
         node, run = min(failed, key=lambda pair: pair[1].record.get("ended_at", float("-inf")))
         exit_code = f" (exit {run.exit_code})" if run.exit_code is not None else ""
         said = (last_lines or {}).get(node.index)
-        return State.FAILED, f"{node.describe()} {run.state.value}{exit_code}" + (f": {said}" if said else "")
+        return Verdict(State.FAILED, f"{node.describe()} {run.state.value}{exit_code}" + (f": {said}" if said else ""),
+                       run)
     if missing:
         node, why = missing[0]
         if any(run.state.active for _, run in runs):
-            return State.FAILED, f"{node.describe()} is lost while the others run: {why}"
-        return runs[0][1].state, f"{node.describe()}: {why}"
+            return Verdict(State.FAILED, f"{node.describe()} is lost while the others run: {why}")
+        return Verdict(runs[0][1].state, f"{node.describe()}: {why}")
     states = {run.state for _, run in runs}
     if states == {State.SUCCEEDED}:
-        return State.SUCCEEDED, None
+        return Verdict(State.SUCCEEDED)
     if State.STARTING in states or State.RETRYING in states:
-        return State.STARTING, None
-    return State.RUNNING, None
+        return Verdict(State.STARTING)
+    return Verdict(State.RUNNING)
+
+
+def combined_state(nodes: list[tuple[Node, Run | None, str | None]],
+                   last_lines: dict[int, str | None] | None = None) -> tuple[State | None, str | None]:
+    """verdict's state and reason."""
+    found = verdict(nodes, last_lines)
+    return found.state, found.reason
 
 
 @dataclass
@@ -309,17 +334,18 @@ class ClusterStatus:
     nodes: list[NodeStatus]
     number: int
 
+    def verdict(self) -> Verdict:
+        return verdict([(n.node, n.run, n.problem()) for n in self.nodes],
+                       {n.node.index: n.last_line() for n in self.nodes})
+
     def state(self) -> tuple[State | None, str | None]:
-        return combined_state([(n.node, n.run, n.problem()) for n in self.nodes],
-                              {n.node.index: n.last_line() for n in self.nodes})
+        found = self.verdict()
+        return found.state, found.reason
 
     def exit_code(self) -> int | None:
-        """The first failed node's exit code; once every node ended well, 0; else None."""
-        runs = [n.run for n in self.nodes if n.run]
-        failed = [r.exit_code for r in runs if r.state in (State.FAILED, State.KILLED) and r.exit_code is not None]
-        if failed:
-            return failed[0]
-        return 0 if runs and len(runs) == len(self.nodes) and all(r.exit_code == 0 for r in runs) else None
+        """The exit code of the node the reason names (the failed node that ended first); once every node ended
+        well, 0; else None."""
+        return self.verdict().exit_code([n.run for n in self.nodes])
 
     def to_json(self) -> dict[str, Any]:
         """Node 0's status document, with the run's state over every node, why, and each node's own."""
@@ -327,9 +353,10 @@ class ClusterStatus:
         doc = first.report.to_json() if first.report else dict.fromkeys(("run_id", "pid", "started_at", "log_path",
                                                                          "progress", "container"))
         doc.setdefault("gpus", [])
-        state, reason = self.state()
-        doc.update(run_id=f"tl{self.number}", state=state.value if state else None, exit_code=self.exit_code(),
-                   reason=reason, nodes=[n.to_json() for n in self.nodes])
+        found = self.verdict()  # the state, why, and the exit code: one choice of node
+        doc.update(run_id=f"tl{self.number}", state=found.state.value if found.state else None,
+                   exit_code=found.exit_code([n.run for n in self.nodes]), reason=found.reason,
+                   nodes=[n.to_json() for n in self.nodes])
         return doc
 
     def unreadable(self) -> GpuctlError | None:
@@ -403,8 +430,9 @@ class ClusterRun:
         return combined_state([(node, run, None) for node, run in self.present])
 
     def to_json(self) -> dict[str, Any]:
-        state, reason = self.state()
-        return dict(self.present[0][1].to_json(), state=state.value if state else None, reason=reason,
+        found = verdict([(node, run, None) for node, run in self.present])
+        return dict(self.present[0][1].to_json(), state=found.state.value if found.state else None,
+                    reason=found.reason, exit_code=found.exit_code([run for _, run in self.present]),
                     nodes=[{"node": node.index, "target": node.target.spec(), "state": run.state.value,
                             "exit_code": run.exit_code, "pid": run.record.get("pid"), "log_path": run.log_path}
                            for node, run in self.present])

@@ -81,6 +81,30 @@ def test_node_1_failing_fails_the_run_naming_it(two_containers):
     assert nodes.processes(0) == []
 
 
+def test_a_failed_runs_exit_code_is_the_node_that_ended_first(two_containers):
+    """Node 1 fails first (exit 1), node 0 later with another code (exit 7): the reason and the exit code are
+    both node 1's, in status and in runs."""
+    nodes = two_containers
+    launched = nodes.launch_fake("steps=6", "step_s=0.5", "exit=7", "fail_rank=1",
+                                 extra=tuple(nodes.rendezvous_args()))
+    assert launched.code == 0, launched.stderr
+    doc = wait_for_node_states(nodes, ["failed", "failed"])
+    assert [n["exit_code"] for n in doc["nodes"]] == [7, 1]
+    assert doc["reason"].startswith(f"node 1 (CT {nodes.nodes[1][1]} on ") and "(exit 1)" in doc["reason"]
+    assert doc["exit_code"] == 1
+    runs = nodes.gpuctl("runs", "--json")
+    assert runs.code == 0, runs.stderr
+    [run] = runs.json()
+    assert run["reason"].startswith(f"node 1 (CT {nodes.nodes[1][1]} on ") and run["exit_code"] == 1
+
+
+@retry(stop=stop_after_delay(30), wait=wait_fixed(0.2), reraise=True)
+def wait_for_node_states(nodes, states: list[str]) -> dict:
+    doc = nodes.gpuctl.status()
+    assert [n["state"] for n in doc["nodes"]] == states, doc
+    return doc
+
+
 def test_a_lock_held_on_node_1_starts_nothing_anywhere(two_containers):
     nodes = two_containers
     host, ctid, _ = nodes.nodes[1]
