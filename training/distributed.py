@@ -11,8 +11,10 @@ MASTER_PORT) and is the only one that writes checkpoints, the run's metrics and 
 Timeouts: joining waits `node_start_timeout_s` for every node (a node that never starts does not hold the
 others for ten minutes); collectives around slow, uneven work (start, the first step after warm-up, node 0's
 checkpoints, evaluations and export) wait `node_sync_timeout_s`; steady-state steps wait `node_timeout_s`.
-Each node also beats a counter in the store every second; a node whose counter stops for `node_timeout_s`
-(hung), or a store that stops answering (node 0 gone), makes every other node stop with a line naming it.
+Each node also beats a counter in the store every second; a node whose counter stops for a minute (or
+`node_timeout_s`, if shorter: hung or dead), or a store that stops answering as long (node 0 gone), makes every
+other node stop with a line naming it, before any collective's own timeout. On NCCL, TORCH_NCCL_BLOCKING_WAIT
+makes a failed collective raise in the thread that waits on it (a line, exit 6) rather than abort the process.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ PER_NODE_KEYS = frozenset({"target_path", "data_path", "eval_data_path", "output
                            "colocated_devices", "num_threads", "queue_depth"})
 _BEAT_S = 1.0  # how often a node beats its counter in the store
 _NAMING_S = 3.0  # after a failed collective: a node silent this long is the one that went
+HEARTBEAT_LOST_S = 60.0  # a node silent this long (or node_timeout_s, if shorter) is lost: hung or dead
 _BUCKET_BYTES = 256 * 2**20  # gradients are all-reduced in flat buckets of this size
 _FILE_CHUNK_BYTES = 64 * 2**20  # checkpoint files go from node 0 to the others in chunks of this size
 
@@ -103,12 +106,13 @@ class Heartbeat:
                  on_lost: Callable[[str], None]):
         self.store, self.rank, self.world_size = store, rank, world_size
         self.lost_after_s, self.on_lost = lost_after_s, on_lost
-        self._keys = [f"gpuctl/beat/{r}" for r in range(world_size)]
+        self.keys = [f"gpuctl/beat/{r}" for r in range(world_size)]
         self._counts: list[int | None] = [None] * world_size
         self._heard = [time.monotonic()] * world_size  # when each node's counter last moved
-        self.gone: str | None = None  # why the store stopped answering
+        self.gone: str | None = None  # why the store stopped answering, once for lost_after_s
+        self.unreachable_since: float | None = None  # the store fails (node 0 gone, or the network)
         self._stop = threading.Event()
-        self.store.add(self._keys[rank], 1)
+        self.store.add(self.keys[rank], 1)
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
     def start(self) -> Heartbeat:
@@ -125,14 +129,20 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stop.wait(_BEAT_S):
             try:
-                self.store.add(self._keys[self.rank], 1)
-                counts = [int(value) for value in self.store.multi_get(self._keys)]
-            except Exception as err:  # noqa: BLE001 - the store is node 0's: any failure means it is gone
+                self.store.add(self.keys[self.rank], 1)
+                counts = [int(value) for value in self.store.multi_get(self.keys)]
+            except Exception as err:  # noqa: BLE001 - the store is node 0's: a failure is node 0 or the network
+                now = time.monotonic()
+                self.unreachable_since = self.unreachable_since or now
                 if self._stop.is_set():
                     return
-                self.gone = f"node 0 (the rendezvous) stopped answering ({type(err).__name__}: {err})"
+                if now - self.unreachable_since < self.lost_after_s:
+                    continue  # a blip: try again
+                self.gone = (f"node 0 (the rendezvous) stopped answering for {self.lost_after_s:.0f} s "
+                             f"({type(err).__name__}: {err})")
                 self.on_lost(self.gone)
                 return
+            self.unreachable_since = None
             now = time.monotonic()
             for rank, count in enumerate(counts):
                 if count != self._counts[rank]:
@@ -159,40 +169,57 @@ class Nodes:
     Every collective is called in the same order on every node; a failed one raises NodeLost naming the node
     that went, when the heartbeats tell."""
 
-    def __init__(self, env: NodeEnv, device: torch.device, timeouts: Timeouts, on_lost: Callable[[str], None],
-                 backend: str = "auto"):
+    def __init__(self, env: NodeEnv, timeouts: Timeouts, on_lost: Callable[[str], None]):
+        """Join node 0's rendezvous (every node within timeouts.start_s) and start beating. The process group
+        comes later (`form_group`), once this node knows the device its collectives run on."""
         self.rank, self.world_size, self.env = env.rank, env.world_size, env
-        self.device = device if device.type == "cuda" else torch.device("cpu")
         self.timeouts = timeouts
+        self.device, self.backend = torch.device("cpu"), "gloo"  # form_group's
+        self.first_step: int | None = None  # the first step's collectives wait out everyone's warm-up
+        self._all_reduce_spans: list[tuple[Any, Any]] = []  # per step since the last take: (start, end) marks
+        try:
+            self.store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, env.rank == 0,
+                                       timeout=timedelta(seconds=timeouts.start_s), wait_for_workers=True)
+            # Its own connection: the heartbeat thread never waits behind the process group's use of the store.
+            beat_store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, False,
+                                       timeout=timedelta(seconds=30), wait_for_workers=False)
+            self.heartbeat = Heartbeat(beat_store, env.rank, env.world_size, min(HEARTBEAT_LOST_S, timeouts.step_s),
+                                       on_lost)
+            beat_store.wait(self.heartbeat.keys, timedelta(seconds=timeouts.start_s))  # every node has beaten
+        except Exception as err:  # noqa: BLE001 - torch raises several kinds here; all mean "could not join"
+            raise NodeLost(self._join_failure(err)) from None
+        self.heartbeat.start()
+
+    def form_group(self, device: torch.device, backend: str = "auto") -> None:
+        """The process groups, their collectives on `device` (the leader replica's: where the pipeline sums the
+        gradients; the CPU for a CPU run). Every node's process then uses one device for every collective, so
+        NCCL makes one communicator a group on every node alike."""
+        self.device = device if device.type == "cuda" else torch.device("cpu")
         # auto: NCCL between GPUs, gloo on the CPU. gloo also sums CUDA tensors (through the host: slower),
         # which lets two nodes share one GPU, where NCCL refuses two ranks.
         self.backend = ("nccl" if self.device.type == "cuda" else "gloo") if backend == "auto" else backend
         if self.backend == "nccl" and self.device.type != "cuda":
             raise ConfigError("node_backend=nccl needs the drafter replicas on GPUs; use gloo (or auto) on the CPU")
-        self.first_step: int | None = None  # the first step's collectives wait out everyone's warm-up
-        self._all_reduce_spans: list[tuple[Any, Any]] = []  # per step since the last take: (start, end) marks
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # the object collectives use the current device
+        if self.backend == "nccl":
+            # A failed or timed-out NCCL collective raises in the thread that waits on it (one line, exit 6),
+            # instead of the watchdog aborting the process.
+            os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
         try:
-            store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, env.rank == 0,
-                                  timeout=timedelta(seconds=timeouts.start_s), wait_for_workers=True)
-        except Exception as err:  # noqa: BLE001 - torch raises several kinds here; all mean "could not join"
-            raise NodeLost(self._join_failure(err)) from None
-        try:
-            dist.init_process_group(self.backend, store=store, rank=env.rank, world_size=env.world_size,
-                                    timeout=timedelta(seconds=timeouts.sync_s))
+            dist.init_process_group(self.backend, store=self.store, rank=self.rank, world_size=self.world_size,
+                                    timeout=timedelta(seconds=self.timeouts.sync_s))
             self._sync_group = dist.group.WORLD
-            self._step_group = dist.new_group(backend=self.backend, timeout=timedelta(seconds=timeouts.step_s))
+            self._step_group = dist.new_group(backend=self.backend,
+                                              timeout=timedelta(seconds=self.timeouts.step_s))
+            self._collective("forming the process group", dist.barrier, group=self._sync_group)
+        except NodeLost:
+            raise
         except Exception as err:  # noqa: BLE001 - e.g. no usable interface, or a peer gone while connecting
-            raise NodeLost(f"every node joined node 0 at {env.master_addr}:{env.master_port}, but the {self.backend} "
-                           f"process group could not be formed ({type(err).__name__}: {err}); with several "
-                           "interfaces, name the one the nodes share: GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME") from None
-        # Its own connection: the heartbeat thread must never wait behind the process group's use of the store.
-        beat_store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, False,
-                                   timeout=timedelta(seconds=30), wait_for_workers=False)
-        self.heartbeat = Heartbeat(beat_store, env.rank, env.world_size, timeouts.step_s, on_lost)
-        self._collective("start", dist.barrier, group=self._sync_group)  # every node's counter exists now
-        self.heartbeat.start()
+            raise NodeLost(f"every node joined node 0 at {self.env.master_addr}:{self.env.master_port}, but the "
+                           f"{self.backend} process group could not be formed ({type(err).__name__}: {err}); with "
+                           "several interfaces, name the one the nodes share: GLOO_SOCKET_IFNAME / "
+                           "NCCL_SOCKET_IFNAME") from None
 
     @property
     def comm_device(self) -> torch.device:
@@ -234,6 +261,8 @@ class Nodes:
         while time.monotonic() < deadline:
             if self.heartbeat.gone:
                 return self.heartbeat.gone
+            if self.heartbeat.unreachable_since is not None:
+                return "node 0 (the rendezvous) stopped answering"
             silent = self.heartbeat.silent(_NAMING_S)
             if silent:
                 return f"{_nodes(silent)} stopped answering"
@@ -249,6 +278,12 @@ class Nodes:
         self._collective(f"step {step + 1}'s start of the update", dist.all_reduce, flags, group=self._group(step))
         incomplete, stops = flags.tolist()
         return incomplete == 0, stops > 0
+
+    def any_stops(self, stop: bool) -> bool:
+        """Whether any node asks to stop (before training: a signal while loading)."""
+        flag = torch.tensor([1.0 if stop else 0.0], device=self.comm_device)
+        self._collective("the check for a stop before training", dist.all_reduce, flag, group=self._sync_group)
+        return flag.item() > 0
 
     def sum_numbers(self, step: int, values: list[float]) -> list[float]:
         """The sum over nodes of a few numbers (the step's loss and metric sums)."""
@@ -360,14 +395,17 @@ def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]
     return buckets
 
 
-def tensor_sums(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, float]:
-    """Each tensor's float32 sum: equal weights give equal sums on like devices, a different model does not
-    (read where the weights live: an 8 B target is milliseconds on a GPU, where hashing its files is minutes)."""
-    return {name: float(t.detach().sum(dtype=torch.float32)) for name, t in named}
+def tensor_sums(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, tuple[float, float]]:
+    """Each tensor's sum and sum of magnitudes, in float64: equal weights give sums equal within a rounding
+    bound whatever the device and its order of addition, a different model does not (read where the weights
+    live: an 8 B target is milliseconds on a GPU, where hashing its files is minutes)."""
+    return {name: (float(t.detach().sum(dtype=torch.float64)),
+                   float(torch.linalg.vector_norm(t.detach(), 1, dtype=torch.float64))) for name, t in named}
 
 
-def run_fingerprint(config: dict[str, Any], data_id: str, target_config: dict, target_weights: dict[str, float],
-                    drafter_weights: dict[str, float]) -> dict[str, Any]:
+def run_fingerprint(config: dict[str, Any], data_id: dict[str, Any], target_config: dict,
+                    target_weights: dict[str, tuple[float, float]],
+                    drafter_weights: dict[str, tuple[float, float]]) -> dict[str, Any]:
     """What must be alike on every node of a run (Nodes.check_same)."""
     shared = {key: value for key, value in config.items() if key not in PER_NODE_KEYS}
     target = hashlib.sha256(json.dumps(target_config, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -375,22 +413,25 @@ def run_fingerprint(config: dict[str, Any], data_id: str, target_config: dict, t
             "drafter_weights": drafter_weights}
 
 
-def fingerprint_difference(first: dict[str, Any], theirs: dict[str, Any], rel_tol: float = 1e-6) -> str | None:
+def fingerprint_difference(first: dict[str, Any], theirs: dict[str, Any], rel_tol: float = 1e-7) -> str | None:
     """How `theirs` differs from node 0's `first`, in words; None when alike."""
     for key in sorted(set(first["config"]) | set(theirs["config"])):
         if first["config"].get(key) != theirs["config"].get(key):
             return (f"has {key}={theirs['config'].get(key)!r} where node 0 has {first['config'].get(key)!r} "
                     "in its training config")
-    if first["data"] != theirs["data"]:
-        return f"reads other training data than node 0 ({theirs['data']} vs {first['data']})"
+    for key in sorted(set(first["data"]) | set(theirs["data"])):
+        if first["data"].get(key) != theirs["data"].get(key):
+            return (f"reads other training data than node 0 ({key}: {theirs['data'].get(key)!r} vs "
+                    f"{first['data'].get(key)!r})")
     if first["target"] != theirs["target"]:
         return "has another target model config than node 0"
     for what in ("target_weights", "drafter_weights"):
         if list(first[what]) != list(theirs[what]):
             return f"has other {what.replace('_', ' ')} than node 0 (other tensor names)"
-        for name, value in first[what].items():
-            other = theirs[what][name]
-            if abs(other - value) > rel_tol * max(abs(value), abs(other), 1.0):
+        for name, (value, magnitude) in first[what].items():
+            other, other_magnitude = theirs[what][name]
+            # Float64 sums of the same values in another order differ by far less than 1e-7 of their magnitude.
+            if abs(other - value) > rel_tol * max(magnitude, other_magnitude, 1e-30):
                 return f"has other {what.replace('_', ' ')} than node 0 ({name}: sum {other!r} vs {value!r})"
     return None
 

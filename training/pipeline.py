@@ -528,6 +528,11 @@ class Pipeline:
     def stop_requested(self) -> bool:
         return self._stop_requested
 
+    @property
+    def failed(self) -> bool:
+        """A thread failed (or the run was aborted): every thread is ending."""
+        return self._error is not None
+
     def utilisation(self) -> Utilisation:
         """Busy fractions and queue depth since the previous call (or since steady state began)."""
         window, busy = self._clocks.take_window()

@@ -372,7 +372,7 @@ def load_targets(config: TrainConfig, devices: list[torch.device], dtype: torch.
     return [Target.load(config.target_path, device, dtype, config.target_layers or None) for device in devices]
 
 
-def load_data(config: TrainConfig, tokenizer) -> tuple[BatchStream, list[list[dict]], str]:
+def load_data(config: TrainConfig, tokenizer) -> tuple[BatchStream, list[list[dict]], dict]:
     """The training micro-batches, the held-out conversations evaluation drafts on (eval_data_path, else
     the tail of the training data, through the tokenized cache; with random_target, synthetic conversations
     that fill max_length, tokenized here), and what identifies the training data (the tokenized cache's key:
@@ -386,15 +386,17 @@ def load_data(config: TrainConfig, tokenizer) -> tuple[BatchStream, list[list[di
         sequences = prepare_sequences(tokenizer, conversations[:cut], config.max_length, config.block_size,
                                       {"enable_thinking": config.enable_thinking})
         held_out = conversations[cut:]
-        data_id = f"synthetic conversations (seed {config.seed})"
+        data_id = {"synthetic conversations of seed": config.seed}
     else:
         data = load_training_data(tokenizer, config, log=say)  # tokenised once, then read from its cache
         sequences, held_out = data.sequences, data.held_out
-        data_id = f"tokenized data {data.tokenized.index['key']}"
+        # What decides the ids (not the path, nor the libraries' versions when the tokenizer is the same).
+        data_id = {key: data.tokenized.index["fields"][key] for key in
+                   ("data_sha256", "tokenizer", "max_length", "template_options", "skip_bad_data")}
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     stream = BatchStream(sequences, config.micro_batch_rows(), config.buckets(), config.block_size,
                          config.num_anchors, pad_id, config.seed)
-    return stream, held_out, f"{data_id}, {len(sequences)} sequences"
+    return stream, held_out, {**data_id, "sequences kept": len(sequences)}
 
 
 def build_drafters(config: TrainConfig, target: Target, devices: list[torch.device]) -> list[Drafter]:
@@ -683,7 +685,7 @@ class World:
     held_out: list[list[dict]]
     shared_flex: SharedFlexAttention | None
     choice: Choice | None  # topology "auto": what it measured and why it chose the layout
-    data_id: str  # what identifies the training data (load_data)
+    data_id: dict  # what identifies the training data (load_data)
 
 
 def build_world(config: TrainConfig, layout: Layout | None, devices: list[torch.device], backend: str,
@@ -737,6 +739,9 @@ def build_pipeline(config: TrainConfig, world: World, batches: StepBatches, step
         colocated_devices=[torch.device(d) for d in layout.colocated],
         micro_batches_per_step=len(batches.share), queue_depth=config.queue_depth,
         grad_clip=config.grad_clip, global_micro_batches_per_step=config.micro_batches_per_step(),
+        # Waiting for other nodes (node 0's checkpoint or evaluation) makes no progress here: not a stall.
+        stall_timeout_s=max(PipelineConfig.stall_timeout_s, config.node_sync_timeout_s + 60) if nodes else
+        PipelineConfig.stall_timeout_s,
     )
     colocated = list(zip([TargetReplica(t) for t in world.targets[n_targets:]], world.replicas[n_drafters:]))
     return Pipeline(config_, [TargetReplica(t) for t in world.targets[:n_targets]], world.replicas[:n_drafters],
@@ -761,13 +766,18 @@ def train(config: TrainConfig, resume: bool = False, stop: StopRequest | None = 
         torch.set_num_threads(config.num_threads)
     env = node_env()
     nodes = None
+    pipelines: list[Pipeline] = []  # the one built: a node whose own pipeline failed is ending, not losing others
+
+    def node_lost(line: str) -> None:
+        if on_node_lost is not None and not any(pipeline.failed for pipeline in pipelines):
+            on_node_lost(line)
+
     if env is not None:
         micro_batch_share(config.micro_batches_per_step(), env.rank, env.world_size)  # refused before joining
         say(f"node {env.rank} of {env.world_size}: joining node 0 at {env.master_addr}:{env.master_port}")
-        nodes = Nodes(env, torch.device(layout.replica_devices[0]) if layout else devices[0], timeouts_of(config),
-                      on_node_lost or (lambda line: None), config.node_backend)
+        nodes = Nodes(env, timeouts_of(config), node_lost)
     try:
-        result = _train(config, resume, stop, layout, devices, backend, dtype, nodes)
+        result = _train(config, resume, stop, layout, devices, backend, dtype, nodes, pipelines)
     except BaseException:
         if nodes is not None:
             nodes.heartbeat.stop(wait=False)  # ending anyway: a node that ends first is not "lost"
@@ -778,7 +788,8 @@ def train(config: TrainConfig, resume: bool = False, stop: StopRequest | None = 
 
 
 def _train(config: TrainConfig, resume: bool, stop: StopRequest, layout: Layout | None,
-           devices: list[torch.device], backend: str, dtype: torch.dtype, nodes: Nodes | None) -> RunResult:
+           devices: list[torch.device], backend: str, dtype: torch.dtype, nodes: Nodes | None,
+           pipelines: list[Pipeline]) -> RunResult:
     leads = nodes is None or nodes.leader  # writes checkpoints, the run's metrics and the export
     if leads:
         prepare_output_dir(config, resume)
@@ -794,7 +805,7 @@ def _train(config: TrainConfig, resume: bool, stop: StopRequest, layout: Layout 
     share = None
     if nodes is not None:
         share = micro_batch_share(config.micro_batches_per_step(), nodes.rank, nodes.world_size)
-        nodes.device = leader.device if leader.device.type == "cuda" else nodes.device
+        nodes.form_group(leader.device, config.node_backend)
         target_config = {k: v for k, v in target.config.to_dict().items() if k != "_name_or_path"}
         trainable = [(n, p) for n, p in leader.drafter.named_parameters() if p.requires_grad]
         nodes.check_same(run_fingerprint(config.to_dict(), world.data_id, target_config,
@@ -810,13 +821,15 @@ def _train(config: TrainConfig, resume: bool, stop: StopRequest, layout: Layout 
     step = 0
     if resume or nodes is not None:
         checkpoint = latest_checkpoint(config.output_dir) if resume and leads else None
-        received = Path(config.output_dir).expanduser() / ".from-node0"
+        received = Path(config.output_dir).expanduser() / ".from-node0" / f"node{nodes.rank if nodes else 0}"
         if nodes is not None:
             checkpoint = nodes.share_checkpoint(checkpoint, received)
         if resume or checkpoint is not None:
             step = restore_checkpoint(config, checkpoint, world.replicas, world.stream)
         if not leads:
             shutil.rmtree(received, ignore_errors=True)
+            with contextlib.suppress(OSError):  # empty unless another node shares this output_dir
+                received.parent.rmdir()
 
     # Built once, called after every step, closed at the end.
     batches = StepBatches(world.stream, config.micro_batches_per_step(), step,
@@ -843,10 +856,14 @@ def _train(config: TrainConfig, resume: bool, stop: StopRequest, layout: Layout 
     if nodes is not None:
         nodes.first_step = step  # its collectives wait out every node's warm-up
     pipeline = build_pipeline(config, world, batches, step, after_step, step_log.steady, nodes)
+    pipelines.append(pipeline)
     shared_flex = world.shared_flex
     try:
-        if stop.requested and nodes is None:  # a signal while loading: nothing trained, nothing to save
-            say(f"{stop.reason()}: stopped at step {step} before training")
+        # A signal while loading (on any node): nothing trained, nothing to save.
+        if nodes.any_stops(stop.requested) if nodes is not None else stop.requested:
+            say(f"{stop.reason() or 'another node asked to stop'}: stopped at step {step} before training")
+            if nodes is not None:
+                nodes.wait_for_leader("stop before training")
             return RunResult(step, stopped=True)
         result = pipeline.run(stop=stop.reason)
     finally:

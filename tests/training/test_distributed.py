@@ -17,9 +17,16 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from training.config import ConfigError
-from training.distributed import fingerprint_difference, micro_batch_share, node_env, run_fingerprint
+from training.distributed import (
+    fingerprint_difference,
+    micro_batch_share,
+    node_env,
+    run_fingerprint,
+    tensor_sums,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
@@ -172,7 +179,7 @@ def test_other_data_on_node_1_is_refused_at_start_on_every_node(tiny_world, tmp_
     assert wait_all(procs) == [2, 2]
     for log in logs:
         (line,) = error_lines(log)
-        assert line.startswith("error: node 1 reads other training data than node 0"), line
+        assert line.startswith("error: node 1 reads other training data than node 0 (data_sha256: "), line
         assert "step 1/" not in log.read_text()  # refused before any training
 
 
@@ -258,15 +265,32 @@ def test_node_env_reads_the_env_variables_and_refuses_bad_ones():
 
 
 def test_fingerprints_name_the_first_difference():
-    base = run_fingerprint({"lr": 1e-3, "devices": "cpu"}, "data a", {"layers": 2}, {"w": 1.0}, {"d": 2.0})
+    data = {"data_sha256": "aa", "sequences kept": 10}
+    weights = tensor_sums([("w", torch.arange(4.0))])
+    base = run_fingerprint({"lr": 1e-3, "devices": "cpu"}, data, {"layers": 2}, weights, weights)
     assert fingerprint_difference(base, base) is None
     # Devices are each node's own; the rest must agree.
-    assert fingerprint_difference(base, run_fingerprint({"lr": 1e-3, "devices": [0, 1]}, "data a", {"layers": 2},
-                                                        {"w": 1.0}, {"d": 2.0})) is None
-    other_lr = run_fingerprint({"lr": 2e-3, "devices": "cpu"}, "data a", {"layers": 2}, {"w": 1.0}, {"d": 2.0})
+    assert fingerprint_difference(base, run_fingerprint({"lr": 1e-3, "devices": [0, 1]}, data, {"layers": 2},
+                                                        weights, weights)) is None
+    other_lr = run_fingerprint({"lr": 2e-3, "devices": "cpu"}, data, {"layers": 2}, weights, weights)
     assert "lr=0.002" in fingerprint_difference(base, other_lr)
-    other_weights = run_fingerprint({"lr": 1e-3}, "data a", {"layers": 2}, {"w": 1.5}, {"d": 2.0})
+    other_data = run_fingerprint({"lr": 1e-3}, {**data, "data_sha256": "bb"}, {"layers": 2}, weights, weights)
+    assert "data_sha256: 'bb' vs 'aa'" in fingerprint_difference(base, other_data)
+    other_weights = run_fingerprint({"lr": 1e-3}, data, {"layers": 2}, tensor_sums([("w", torch.arange(4.0) + 1e-3)]),
+                                    weights)
     assert "target weights" in fingerprint_difference(base, other_weights)
+
+
+def test_equal_weights_summed_in_another_order_are_the_same_weights():
+    """bf16 values summed in two orders: the float64 sums agree within the bound, one changed value does not."""
+    values = torch.randn(4096 * 1024, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    shuffled = values[torch.randperm(values.numel(), generator=torch.Generator().manual_seed(1))]
+    changed = values.clone()
+    changed[7] += 0.5
+    base = run_fingerprint({}, {}, {}, tensor_sums([("w", values)]), {})
+    assert fingerprint_difference(base, run_fingerprint({}, {}, {}, tensor_sums([("w", shuffled)]), {})) is None
+    assert "target weights" in fingerprint_difference(base, run_fingerprint({}, {}, {}, tensor_sums([("w", changed)]),
+                                                                            {}))
 
 
 def test_a_bad_node_env_is_one_line_and_exit_2(tiny_world, tmp_path):
