@@ -55,8 +55,11 @@ class Node:
         return GpuctlError(f"{self.describe()}: {error}", error.code)
 
 
-def on_each(items: Sequence[T], action: Callable[[T], U]) -> list[U | BaseException]:
-    """action on every item at once (a thread each: one SSH session per node); its result or what it raised."""
+def on_each(items: Sequence[T], action: Callable[[T], U],
+            interrupted: Callable[[], None] | None = None) -> list[U | BaseException]:
+    """action on every item at once (a thread each: one SSH session per node); its result or what it raised.
+    Interrupted (Ctrl-C), it calls `interrupted` at once, then still waits for every item's action to end before
+    the interrupt goes on (a second Ctrl-C stops that wait)."""
     if not items:
         return []
 
@@ -66,8 +69,13 @@ def on_each(items: Sequence[T], action: Callable[[T], U]) -> list[U | BaseExcept
         except Exception as e:  # noqa: BLE001 - handed back: the caller decides once every node has answered
             return e
 
-    with ThreadPoolExecutor(max_workers=len(items)) as pool:
-        return list(pool.map(attempt, items))
+    with ThreadPoolExecutor(max_workers=len(items)) as pool:  # its end waits for every thread
+        try:
+            return list(pool.map(attempt, items))
+        except BaseException:
+            if interrupted:
+                interrupted()
+            raise
 
 
 @contextmanager
@@ -155,8 +163,9 @@ def launch(nodes: list[Node], opts: LaunchOptions, master_addr: str | None, mast
     """One run on every node, all or nothing: every node's launch lock is taken and its state read (in parallel)
     before any node is told to start; a node that refuses (unreachable, container stopped, locked, an active run)
     makes every other give its lock back with nothing started. The run number is the next one free on every
-    node. Should a node fail to start after that, the runs started on the others are killed. With --resume,
-    every node continues its own run of one number (0: the latest, which must be the same run everywhere)."""
+    node. Should a node fail to start after that, or the launch be interrupted (Ctrl-C) while the nodes start, the
+    runs started are killed. With --resume, every node continues its own run of one number (0: the latest, which
+    must be the same run everywhere)."""
     commands.check_launch_options(opts)
     check_master_addr(master_addr)
     check_master_port(master_port)
@@ -208,7 +217,14 @@ def launch(nodes: list[Node], opts: LaunchOptions, master_addr: str | None, mast
                                         opts.replace, say(node), number=number)
         return replace(result, resumed_from=node_opts.resume)
 
-    outcomes = on_each(nodes, start)
+    def interrupted() -> None:
+        notify(f"interrupted: waiting for every node's start to end, then killing tl{number} on every node")
+
+    try:
+        outcomes = on_each(nodes, start, interrupted)
+    except BaseException:  # Ctrl-C while the nodes start: all or nothing still (on_each waited for every start)
+        _undo(nodes, number, notify)
+        raise
     problem = _first_problem(nodes, outcomes)
     if problem is not None:
         _undo(nodes, number, notify)

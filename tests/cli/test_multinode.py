@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from tenacity import retry, stop_after_delay, wait_fixed
@@ -235,6 +236,41 @@ def test_a_node_that_fails_to_start_has_the_others_killed(two_containers):
     assert nodes.processes(0) == [] and nodes.processes(1) == []
     one = nodes.gpuctl("status", "--json", nodes.nodes[0][2])  # every node's start is over before the undo
     assert (one.json()["run_id"], one.json()["state"]) == ("tl1", "killed"), one.stdout
+
+
+def test_ctrl_c_while_the_nodes_start_kills_the_run_on_every_node(two_containers):
+    """Every node said yes; node 0's run started while node 1's start waits (its run lock held by hand): a
+    Ctrl-C there waits for node 1's start to end, then kills the run on both nodes. Exit 130, no traceback."""
+    nodes = two_containers
+    host, ctid, _ = nodes.nodes[1]
+    nodes.path(1, "/workspace/.gpuctl").mkdir(parents=True)
+    holder = host.start_detached(ctid, "flock /workspace/.gpuctl/tl1.lock sleep 300")
+    lock_held(nodes.path(1, "/workspace/.gpuctl/tl1.lock"))
+    launch = nodes.gpuctl.popen("launch", *nodes.node_args(), *nodes.rendezvous_args(), "--python", "fake-trainer",
+                                *(f"--set=fake.{s}" for s in LONG))
+    errors = Output(SimpleNamespace(stdout=launch.stderr))  # Output reads a process's stdout: here its stderr
+    try:
+        started_on_node_0_only(nodes)
+        assert launch.poll() is None
+        launch.send_signal(signal.SIGINT)
+        errors.wait_for("gpuctl: interrupted: waiting for every node's start")
+    finally:
+        os.killpg(holder, signal.SIGKILL)  # node 1's start goes on
+    launch.wait(timeout=60)
+    err = errors.wait_for("on every node\n")  # (the cli ends quietly on Ctrl-C: exit 130)
+    assert launch.returncode == 130 and "Traceback" not in err, err
+    assert nodes.processes(0) == [] and nodes.processes(1) == []
+    for k in (0, 1):
+        one = nodes.gpuctl("status", "--json", nodes.nodes[k][2])
+        assert (one.json()["run_id"], one.json()["state"]) == ("tl1", "killed"), one.stdout
+
+
+@retry(stop=stop_after_delay(30), wait=wait_fixed(0.1), reraise=True)
+def started_on_node_0_only(nodes) -> None:
+    """Node 0's run has its process; node 1's launch wrote its record and waits on the run lock."""
+    record = json.loads(nodes.path(0, "/workspace/.gpuctl/tl1.json").read_text())
+    assert record.get("pid") and nodes.processes(0), record
+    assert nodes.path(1, "/workspace/.gpuctl/tl1.json").exists()
 
 
 def test_launch_follow_streams_node_0s_log_to_the_end(two_containers):
