@@ -48,8 +48,9 @@ def trainable_shapes(shape: dict) -> list[torch.Size]:
 def node_main(rank: int, nodes: int, port: int, device: str, shape_name: str, steps: int) -> None:
     shapes = trainable_shapes(QWEN3_8B if shape_name == "qwen3-8b" else SMALL)
     where = torch.device(f"cuda:{rank}" if device == "cuda" else "cpu")
-    group = Nodes(NodeEnv(rank, nodes, "127.0.0.1", port), where, Timeouts(120, 1800, 1800),
+    group = Nodes(NodeEnv(rank, nodes, "127.0.0.1", port), Timeouts(120, 1800, 1800),
                   on_lost=lambda line: sys.exit(f"error: {line}"))
+    group.form_group(where)
     grads = [torch.full(s, float(rank + 1), device=where) for s in shapes]
     group.first_step = -1  # time the steady-state group
     group.sum_tensors(0, grads)  # warm-up: connections and buffers
