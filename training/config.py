@@ -7,6 +7,7 @@ the entry point prints it and exits 2.
 import argparse
 import dataclasses
 import re
+import signal
 import sys
 import types
 import typing
@@ -32,6 +33,33 @@ class OneLineArgumentParser(argparse.ArgumentParser):
     def error(self, message: str):
         print(f"error: {message}", file=sys.stderr)
         raise SystemExit(2)
+
+
+class StopSignals:
+    """The entry points' stop: while active (`with`), SIGTERM and SIGINT call `_handle`, which records the first
+    one in `signal` (each entry point says what a signal means for it); the previous handlers come back at the
+    end."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signal: int | None = None
+        self._previous: dict = {}
+
+    def __enter__(self):
+        self._previous = {signum: signal.signal(signum, self._handle) for signum in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum, frame) -> None:
+        self.signal = signum
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
 
 
 class ConfigError(ValueError):

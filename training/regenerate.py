@@ -38,7 +38,14 @@ from pathlib import Path
 
 import torch
 
-from training.config import DTYPES, ConfigError, OneLineArgumentParser, load_config, parse_devices
+from training.config import (
+    DTYPES,
+    ConfigError,
+    OneLineArgumentParser,
+    StopSignals,
+    load_config,
+    parse_devices,
+)
 from training.data import DataError, encode_chat, parse_conversation
 from training.metrics import MetricsLog, say
 
@@ -284,31 +291,13 @@ class Progress:
                                records_per_s=round(rate, 3), eta_s=None if eta is None else round(eta, 1))
 
 
-class StopFlag:
+class StopFlag(StopSignals):
     """While active, SIGTERM/SIGINT ask the threads to stop after their batch; a second signal acts at once."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self):
-        self.signal: int | None = None
-        self._previous: dict = {}
-
-    def __enter__(self):
-        self._previous = {signum: signal.signal(signum, self._handle) for signum in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
 
     def _handle(self, signum, frame) -> None:
         self.signal = signum
         signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
         say(f"received {signal.Signals(signum).name}: stopping once the batches in flight are written")
-
-    @property
-    def requested(self) -> bool:
-        return self.signal is not None
 
     def exit_code(self) -> int:
         return 130 if self.signal == signal.SIGINT else 0

@@ -59,7 +59,14 @@ from training.checkpoint import (
     save_checkpoint,
 )
 from training.compile import AttentionShape, SharedFlexAttention, projected_qkv
-from training.config import ConfigError, OneLineArgumentParser, TrainConfig, load_config, parse_devices
+from training.config import (
+    ConfigError,
+    OneLineArgumentParser,
+    StopSignals,
+    TrainConfig,
+    load_config,
+    parse_devices,
+)
 from training.data import Batch, BatchStream, DataError, eval_prompts, prepare_sequences
 from training.distributed import (
     NodeLost,
@@ -94,35 +101,17 @@ from training.target import Target
 from training.tokenized import load_training_data
 
 
-class StopRequest:
+class StopRequest(StopSignals):
     """The process's one signal path: while active, the first SIGTERM/SIGINT asks the run to stop at the next
     safe point (before training, or a step boundary: the pipeline polls `reason`); a second one raises
     KeyboardInterrupt at once, which aborts without a checkpoint. The handler only records or raises: it may
     run between any two bytecodes of the main thread, so it takes no lock and writes nothing."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self):
-        self.signal: int | None = None
-        self._previous: dict = {}
-
-    def __enter__(self):
-        self._previous = {signum: signal.signal(signum, self._handle) for signum in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
 
     def _handle(self, signum, frame) -> None:
         if self.signal is not None:
             raise KeyboardInterrupt(f"a second stop signal ({signal.Signals(signum).name}): aborting without a "
                                     "checkpoint")
         self.signal = signum
-
-    @property
-    def requested(self) -> bool:
-        return self.signal is not None
 
     def reason(self) -> str | None:
         """The first signal's name, or None while none came."""

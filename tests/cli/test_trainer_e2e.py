@@ -27,8 +27,8 @@ def test_tiny_preset_end_to_end(gpuctl, tmp_path):
     assert sorted(p.name for p in (tmp_path / "drafter").iterdir()) == ["config.json", "model.safetensors"]
 
 
-def test_kill_lets_the_trainer_checkpoint_and_exit(gpuctl):
-    """SIGTERM reaches the trainer once: it finishes its step, saves a checkpoint and exits 0."""
+def launch_and_train_to_step_4(gpuctl) -> None:
+    """Launch a long tiny run and wait until its progress reaches step 4."""
     launched = gpuctl("launch", "--config", "tiny", "--set", "max_steps=100000", "--set", "eval_every=0",
                       "--set", "log_every=2", "--json")
     assert launched.code == 0, launched.stderr
@@ -39,6 +39,11 @@ def test_kill_lets_the_trainer_checkpoint_and_exit(gpuctl):
         assert progress and progress["step"] >= 4
 
     training()
+
+
+def test_kill_lets_the_trainer_checkpoint_and_exit(gpuctl):
+    """SIGTERM reaches the trainer once: it finishes its step, saves a checkpoint and exits 0."""
+    launch_and_train_to_step_4(gpuctl)
     killed = gpuctl("kill", "--grace", "60")
     assert killed.code == 0, killed.stderr
     assert "SIGKILL" not in killed.stdout
@@ -77,19 +82,8 @@ def test_launch_resume_continues_from_the_checkpoint(gpuctl, tmp_path):
 
 def test_pull_exports_a_killed_run_on_demand(gpuctl, tmp_path):
     """The tiny preset killed after a checkpoint has no export of its own: `gpuctl pull` makes one in the container
-    (the run's interpreter, the staged training.export) and brings config.json and model.safetensors. Enabled
-    once training/export.py exists (issue 11's trainer half)."""
-    pytest.importorskip("training.export")
-    launched = gpuctl("launch", "--config", "tiny", "--set", "max_steps=100000", "--set", "eval_every=0",
-                      "--set", "log_every=2", "--json")
-    assert launched.code == 0, launched.stderr
-
-    @retry(stop=stop_after_delay(120), wait=wait_fixed(0.5), reraise=True)
-    def training() -> None:
-        progress = gpuctl.status()["progress"]
-        assert progress and progress["step"] >= 4
-
-    training()
+    (the run's interpreter, the staged training.export) and brings config.json and model.safetensors."""
+    launch_and_train_to_step_4(gpuctl)
     assert gpuctl("kill", "--grace", "60").code == 0
     assert not gpuctl.path("/workspace/runs/tiny/export").exists()
 

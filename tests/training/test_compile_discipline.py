@@ -138,6 +138,17 @@ def run_threads(target, count: int) -> list[BaseException | None]:
     return errors
 
 
+def stats_after_threads(attention, worker, threads: int):
+    """Run worker(index) in `threads` threads, none failing, and the shared attention's counters after them
+    (the attention is closed either way)."""
+    try:
+        errors = run_threads(worker, threads)
+        assert errors == [None] * threads, errors
+        return attention.stats()
+    finally:
+        attention.close()
+
+
 def start_and_join(target, count: int, timeout_s: float) -> bool:
     """Run target(index) in `count` daemon threads; True if any is still running after `timeout_s` (a hang)."""
     threads = [threading.Thread(target=target, args=(i,), daemon=True) for i in range(count)]
@@ -198,12 +209,7 @@ def test_a_trial_before_the_threads_warms_its_keys_and_nothing_compiles_after_th
             steady_step(attention, SHAPES[(index + step) % len(SHAPES)], grad=step % 2 == 1,
                         generator=torch.Generator().manual_seed(index))
 
-    try:
-        errors = run_threads(worker, threads)
-        assert errors == [None] * threads, errors
-        stats = attention.stats()
-    finally:
-        attention.close()
+    stats = stats_after_threads(attention, worker, threads)
     assert cache_entries(flex_attention_cpu_backward) == entries_after_trial  # within the limit, nothing new
     assert (stats.compiles_after_warmup, stats.fx_traces_after_warmup, stats.eager_runs) == (0, 0, 0)
     assert stats.compiled_calls == threads * steps  # the trial's calls come before the count starts
@@ -222,12 +228,7 @@ def test_threads_share_the_warm_cache_without_tracing_or_eager_runs():
             shape = SHAPES[(index + step) % len(SHAPES)]
             steady_step(attention, shape, grad=step % 2 == 0, generator=generator)
 
-    try:
-        errors = run_threads(worker, threads)
-        assert errors == [None] * threads, errors
-        stats = attention.stats()
-    finally:
-        attention.close()
+    stats = stats_after_threads(attention, worker, threads)
     assert cache_entries(flex_attention_cpu_backward) == 12  # past the default limit of 8, all compiled
     assert stats.compiled_calls == threads * steps
     assert stats.compiles_after_warmup == 0
@@ -416,12 +417,7 @@ def test_per_thread_config_path_sizes_the_limit_in_each_worker():
         for step, shape in enumerate(SHAPES):
             steady_step(attention, shape, grad=(index + step) % 2 == 0, generator=generator)
 
-    try:
-        errors = run_threads(worker, threads)
-        assert errors == [None] * threads, errors
-        stats = attention.stats()
-    finally:
-        attention.close()
+    stats = stats_after_threads(attention, worker, threads)
     assert cache_entries(flex_attention_cpu_backward) == 12
     assert (stats.compiles_after_warmup, stats.fx_traces_after_warmup, stats.eager_runs) == (0, 0, 0)
     if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 12):
@@ -442,12 +438,7 @@ def test_inductor_compiles_the_public_flex_attention_forward_for_threads():
         for step in range(4):
             steady_step(attention, shapes[(index + step) % 2], grad=False, generator=generator)
 
-    try:
-        errors = run_threads(worker, threads)
-        assert errors == [None] * threads, errors
-        stats = attention.stats()
-    finally:
-        attention.close()
+    stats = stats_after_threads(attention, worker, threads)
     assert stats.compiled_calls == threads * 4
     assert (stats.compiles_after_warmup, stats.eager_runs, stats.fx_tracing_flag) == (0, 0, False)
 
