@@ -88,16 +88,16 @@ def test_a_node_killed_mid_run_fails_the_run_naming_it_and_the_other_ends(two_co
     os.kill(doc["nodes"][1]["pid"], signal.SIGKILL)  # node 1's trainer dies (no signal handler runs)
 
     @retry(stop=stop_after_delay(30), wait=wait_fixed(0.5), reraise=True)
-    def node_0_ended() -> dict:
+    def node_0_ended() -> dict:  # its run recorded as ended, and no process of it left on either node
         doc = nodes.gpuctl.status()
         assert doc["nodes"][0]["state"] != "running", doc
+        assert nodes.processes(0) == [] and nodes.processes(1) == []
         return doc
 
     doc = node_0_ended()
     assert doc["state"] == "failed" and doc["reason"].startswith(f"node 1 (CT {nodes.nodes[1][1]} on "), doc
     assert doc["nodes"][0]["exit_code"] == 6  # the trainer's NODE_LOST
     assert "node 1 stopped answering" in doc["nodes"][0]["last_line"]
-    assert nodes.processes(0) == [] and nodes.processes(1) == []
 
 
 def test_kill_stops_every_node_at_one_step_and_leaves_no_process(two_containers):
