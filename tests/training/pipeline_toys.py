@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 import time
@@ -130,8 +131,11 @@ def main(argv: list[str] | None = None) -> int:
             result = pipeline.run(stop=stop.reason)
     except PipelineError as error:
         print(error.traceback_text, file=sys.stderr)
-        print(f"error: {error}", file=sys.stderr)
-        return 130 if isinstance(error.error, KeyboardInterrupt) else 1
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # Ended at once, like the trainer's main after an abort: an aborted run's interpreter teardown can meet
+        # torch's native threads mid-call (seen once on CI: "terminate called", SIGABRT instead of the code).
+        os._exit(130 if isinstance(error.error, KeyboardInterrupt) else 1)
     args.checkpoint.write_text(json.dumps({"steps_done": result.steps_done, "stopped": result.stopped,
                                                 "signal": stop.signal}))
     print(f"saved checkpoint at step {result.steps_done}", flush=True)
