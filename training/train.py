@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -930,8 +931,19 @@ def end_for_lost_node(line: str) -> None:
     """Another node hung or died: say which, and end this process now, from whichever thread (one stuck in a
     collective that will never complete cannot be joined)."""
     print(f"error: {line}", file=sys.stderr, flush=True)
+    end_process(TrainExit.NODE_LOST)
+
+
+def end_process(code: int) -> NoReturn:
+    """End the process with `code`. A run that ended well exits normally. One that failed may leave threads the
+    interpreter's teardown cannot stop cleanly: a pipeline thread stuck inside a device call, a failed node's
+    store and process group (closing those would wait on nodes that may be gone). Their C++ side can abort that
+    teardown (SIGABRT in place of the code: seen in CI), so a failed run ends at once, once its output is out."""
+    if code == TrainExit.OK:
+        sys.exit(code)
     sys.stdout.flush()
-    os._exit(TrainExit.NODE_LOST)
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -961,9 +973,6 @@ def main(argv: list[str] | None = None) -> int:
         if code in (TrainExit.FAILED, TrainExit.INTERRUPTED):
             print(err.traceback_text, end="", file=sys.stderr)
         print(f"error: {line}", file=sys.stderr, flush=True)
-        if err.still_running:  # a thread stuck inside a device call would hold up the interpreter's exit
-            sys.stdout.flush()
-            os._exit(code)
         return code
     except KeyboardInterrupt as interrupt:  # a second signal outside the pipeline (loading, saving)
         print(f"error: {interrupt or 'interrupted'}", file=sys.stderr, flush=True)
@@ -972,4 +981,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end_process(main())
