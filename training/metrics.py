@@ -21,6 +21,7 @@ status, and no evaluation.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -56,6 +57,7 @@ class MetricsLog:
         self.path = path
         self.total_steps = total_steps
         self.start = time.time() if start_time is None else start_time
+        self.left_out = 0  # records not written since the last one that was (disk full, quota)
         path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, step: int, **values) -> dict:
@@ -63,10 +65,34 @@ class MetricsLog:
         now = time.time()
         record = {"step": step, "total_steps": self.total_steps, "time": round(now, 3),
                   "elapsed_s": round(now - self.start, 3), **values}
-        with open(self.path, "a") as file:
-            file.write(json.dumps(record) + "\n")
+        self._append((json.dumps(record) + "\n").encode())
         print(format_progress(record), flush=True)
         return record
+
+    def _append(self, line: bytes) -> None:
+        """A record that cannot be written (disk full, over quota) is left out whole and the run goes on: the
+        checkpoints decide whether a full disk ends it, and every record's line is in the log anyway. The first
+        one left out is said, and so is the first written again."""
+        try:
+            with open(self.path, "ab", buffering=0) as file:
+                end = file.seek(0, os.SEEK_END)
+                try:
+                    rest = memoryview(line)
+                    while rest:  # a full disk can take part of a write before it refuses the rest
+                        rest = rest[file.write(rest):]
+                except OSError:
+                    with contextlib.suppress(OSError):
+                        file.truncate(end)  # no half record for the next one to run into
+                    raise
+        except OSError as err:
+            if not self.left_out:
+                warn(f"cannot write {self.path}: {err.strerror or err}; the run goes on, its records are left out "
+                     "until there is room (each still prints in the log)")
+            self.left_out += 1
+            return
+        if self.left_out:
+            say(f"{self.path} is written again; {self.left_out} record(s) were left out")
+            self.left_out = 0
 
 
 def format_progress(record: dict) -> str:

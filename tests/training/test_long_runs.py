@@ -4,6 +4,7 @@ stopping the run; checkpoints on a full disk; bad data skipped and counted; out 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
@@ -159,6 +160,51 @@ def test_warn_goes_on_past_a_checkpoint_it_cannot_write_but_not_past_the_last(ti
     assert error_line(result.stderr) == (f"error: cannot write the checkpoint {checkpoints}/step_00000006: "
                                        "No space left on device (ENOSPC); the earlier checkpoints are intact")
     assert result.stderr.endswith("ls: step_00000002\n")
+
+
+# Metrics on a full disk: records are left out whole, the run goes on.
+
+METRICS_ON_A_FULL_DISK = """
+import json, sys
+from pathlib import Path
+from training.metrics import MetricsLog
+disk = Path(sys.argv[1])
+log = MetricsLog(disk / "metrics.jsonl", total_steps=9)
+pad = "x" * 900  # about 1 KB a record: four fill the file's 4 KiB page, the fifth is cut short by the full disk
+for step in range(1, 7):
+    log.write(step, pad=pad)
+(disk / "filler").unlink()  # room again
+log.write(7, pad=pad)
+"""
+
+
+def test_metrics_on_a_full_disk_leave_records_out_whole_and_resume_when_there_is_room(tmp_path):
+    private_mounts_or_skip()
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    script = (f"mount -t tmpfs -o size=8k tmpfs {disk} && head -c 4096 /dev/zero > {disk}/filler && "
+              f"{shlex.join([sys.executable, '-c', METRICS_ON_A_FULL_DISK, str(disk)])}; rc=$?; "
+              f"cp {disk}/metrics.jsonl {tmp_path}/kept; exit $rc")
+    result = subprocess.run(["unshare", "--mount", "--propagation", "private", "--", "bash", "-c", script],
+                            cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stderr == (f"warning: cannot write {disk}/metrics.jsonl: No space left on device; the run goes "
+                             "on, its records are left out until there is room (each still prints in the log)\n")
+    assert f"{disk}/metrics.jsonl is written again; 2 record(s) were left out" in result.stdout
+    assert [line.split()[1] for line in result.stdout.splitlines() if line.startswith("step")] == [
+        f"{step}/9" for step in range(1, 8)]  # every record's line printed
+    kept = [json.loads(line) for line in (tmp_path / "kept").read_text().splitlines()]  # whole lines only
+    assert [record["step"] for record in kept] == [1, 2, 3, 4, 7]
+
+
+def test_a_run_whose_metrics_cannot_be_written_trains_to_the_end(tiny_world, tmp_path):
+    env_args = tiny_args(tiny_world, tmp_path / "run", "max_steps=3", "log_every=1")
+    result = subprocess.run([sys.executable, "-m", "training.train", *env_args], cwd=REPO, capture_output=True,
+                            text=True, timeout=180, check=False, env={**os.environ, "GPUCTL_METRICS": "/dev/full"})
+    assert result.returncode == TrainExit.OK, result.stdout + result.stderr
+    assert result.stderr.count("warning: cannot write /dev/full: No space left on device") == 1
+    assert "step 3/3" in result.stdout and result.stdout.rstrip().endswith("done: 3 steps")
+    assert (tmp_path / "run" / "checkpoints" / "step_00000003").is_dir()
 
 
 # Bad data.
