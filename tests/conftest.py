@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
+
+# Tests press Ctrl-C (SIGINT) at gpuctl and the trainer. A shell without job control starts a background job
+# with SIGINT ignored, and an ignored signal stays ignored across exec, so such a pytest's children would never
+# see it. A handler here is reset to the default in every child: they get the signal as in a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

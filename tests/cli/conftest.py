@@ -80,9 +80,16 @@ class Output:
             return text
 
     def finish(self, timeout: float = 20) -> tuple[str, str]:
-        """Wait for the process to end: all of its stdout, and its stderr."""
-        err = self.process.stderr.read()  # to its end: the process has ended (or closed it)
-        self.process.wait(timeout=timeout)
+        """Wait for the process to end (killed, and the test failed, after `timeout`): all of its stdout, and its
+        stderr (a little: it waits in the pipe until the end)."""
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            raise AssertionError(f"still running after {timeout} s; its output: {self.text[-2000:]!r}, "
+                                 f"{self.process.stderr.read()[-2000:]!r}") from None
+        err = self.process.stderr.read()
         self._thread.join(timeout=timeout)
         return self.text, err
 
