@@ -374,13 +374,14 @@ def pull(
                                                     "file or a directory (metrics)")] = None,
     run: RunOpt = None,
     what: Annotated[commands.PullWhat, typer.Option(help="the run's export (made from its newest checkpoint "
-                                                         "when it has none), its newest checkpoint, or its "
-                                                         "metrics file")] = commands.PullWhat.EXPORT,
+                                                         "when it has none), its newest checkpoint, its "
+                                                         "metrics file, or a regenerate run's data file (its "
+                                                         "output_path)")] = commands.PullWhat.EXPORT,
     with_optimizer: Annotated[bool, typer.Option("--with-optimizer", help="with --what checkpoint: state.pt "
                                                  "too (optimizer, schedule, data position)")] = False,
     json_: JsonOpt = False,
 ) -> int:
-    """Copy a run's export, newest checkpoint or metrics to DEST over SSH, every file checked by sha256; an
+    """Copy a run's export, newest checkpoint, metrics or regenerated data to DEST over SSH, every file checked by sha256; an
     interrupted pull leaves nothing at DEST, and running it again continues where it stopped."""
     if dest is None:  # one positional argument is DEST, not TARGET
         flags, dest = replace(flags, target=None), flags.target

@@ -720,6 +720,7 @@ class PullWhat(str, Enum):
     EXPORT = "export"
     CHECKPOINT = "checkpoint"
     METRICS = "metrics"
+    DATA = "data"  # a regenerate run's output file
 
 
 @dataclass
@@ -757,13 +758,13 @@ def pull_destination(dest: str, what: PullWhat, with_optimizer: bool) -> transfe
     """The options of a pull, checked before connecting: a bad DEST or combination is a usage error."""
     if with_optimizer and what != PullWhat.CHECKPOINT:
         raise usage_error("--with-optimizer is for --what checkpoint")
-    return transfer.destination(dest, directory=what != PullWhat.METRICS)
+    return transfer.destination(dest, directory=what not in (PullWhat.METRICS, PullWhat.DATA))
 
 
 def pull(ct: Container, run_number: int, what: PullWhat, dest: transfer.Destination, with_optimizer: bool,
          notify: Notify, progress: Callable[[int], Tracker] | None = None) -> PullResult:
-    """Bring a run's export (made from its newest checkpoint when it has none that is current), newest checkpoint
-    or metrics file to dest (from pull_destination), every file checked against the container's sha256
+    """Bring a run's export (made from its newest checkpoint when it has none that is current), newest checkpoint,
+    metrics file or (a regenerate run's) data file to dest (from pull_destination), every file checked against the container's sha256
     (transfer.py says how)."""
     skip = "state.pt" if what == PullWhat.CHECKPOINT and not with_optimizer else ""
     remote = ct.start("pull", stage_dir=STAGE_DIR, what=what.value, skip=skip, run_number=run_number,

@@ -1,7 +1,7 @@
 """Metrics: one JSON object per line for machines (gpuctl status reads it), one text line for people.
 
 The JSON goes to $GPUCTL_METRICS when set, else <output_dir>/metrics.jsonl. At its start a run also says where
-its output goes, into $GPUCTL_RUN_INFO when set (announce_output_dir). Every record has `step`,
+its output goes, into $GPUCTL_RUN_INFO when set (announce_output). Every record has `step`,
 `total_steps` and `time` (Unix seconds) and `elapsed_s`; training records add `loss`, `lr`, `tokens_per_s`
 (real target tokens per second over the logging window; the first window starts when every thread has warmed
 up), `tflops_per_s` (counted matrix FLOPs of the target forward and drafter step per second, training/flops.py:
@@ -29,13 +29,14 @@ import time
 from pathlib import Path
 
 
-def announce_output_dir(output_dir: str | Path) -> None:
-    """Tell gpuctl where this run's output goes: {"output_dir": ABSOLUTE_PATH} into $GPUCTL_RUN_INFO when it is
-    set (gpuctl's wrapper sets it; `gpuctl pull` reads it), written whole and renamed into place."""
+def announce_output(key: str, output: str | Path) -> None:
+    """Tell gpuctl where this run's output goes: {KEY: ABSOLUTE_PATH} into $GPUCTL_RUN_INFO when it is set
+    (gpuctl's wrapper sets it; `gpuctl pull` reads it), written whole and renamed into place. A training run
+    says its "output_dir", a regeneration its "output_path" (the data file)."""
     path = os.environ.get("GPUCTL_RUN_INFO")
     if not path:
         return
-    info = json.dumps({"output_dir": str(Path(output_dir).expanduser().resolve())}, ensure_ascii=False)
+    info = json.dumps({key: str(Path(output).expanduser().resolve())}, ensure_ascii=False)
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         with open(tmp, "w") as file:

@@ -47,7 +47,7 @@ from training.config import (
     parse_devices,
 )
 from training.data import DataError, encode_chat, parse_conversation
-from training.metrics import MetricsLog, say
+from training.metrics import MetricsLog, announce_output, say
 
 
 @dataclass
@@ -405,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config, args.set, kind=RegenerateConfig)
+        announce_output("output_path", config.output_path)  # for `gpuctl pull --what data`
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # progress bars would fill the log file with carriage returns

@@ -92,7 +92,7 @@ from training.layout import (
 )
 from training.loss import block_targets
 from training.mask import build_block_mask
-from training.metrics import MetricsLog, announce_output_dir, metrics_path, say, warn
+from training.metrics import MetricsLog, announce_output, metrics_path, say, warn
 from training.model import Drafter, DrafterConfig
 from training.pipeline import Pipeline, PipelineConfig, PipelineError, RunResult, StepReport, Utilisation
 from training.random_world import NUM_CONVERSATIONS as NUM_RANDOM_CONVERSATIONS
@@ -951,7 +951,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         config = load_config(args.config, args.set)
-        announce_output_dir(config.output_dir)  # for `gpuctl pull`
+        announce_output("output_dir", config.output_dir)  # for `gpuctl pull`
         # Which interpreter and torch build run this: the log's first line answers "did it use the right one?"
         say(f"python {sys.executable} ({platform.python_version()}), torch {torch.__version__} "
             f"({f'CUDA {torch.version.cuda}' if torch.version.cuda else 'a CPU-only build'})")

@@ -208,6 +208,8 @@ def test_pull_exit_codes(gpuctl, standin, tmp_path):
     assert f"nothing to pull: tl1 has no export and no checkpoint to make one from in {OUT}" in nothing.stderr
     assert gpuctl("pull", "--what", "checkpoint", dest).code == 1
     assert "tl1 has no metrics yet" in gpuctl("pull", "--what", "metrics", dest).stderr
+    data = gpuctl("pull", "--what", "data", dest)
+    assert data.code == 1 and "tl1 is a training run: --what data is a regenerate run's output" in data.stderr
     assert not Path(dest).exists()
 
     unknown = gpuctl("pull", "--run", "9", dest)

@@ -92,6 +92,16 @@ def test_regenerate_killed_half_way_then_resumed_writes_every_id_once(gpuctl, tm
     assert [(r["run_id"], r["task"], r["state"]) for r in runs] == [("tl1", "regenerate", "killed"),
                                                                       ("tl2", "regenerate", "succeeded")]
 
+    # The data comes back with `pull --what data`, byte for byte; asking a regenerate run for a model is one line.
+    pulled = gpuctl("pull", "--what", "data", str(tmp_path / "pulled"), "--json")
+    assert pulled.code == 0, pulled.stderr
+    assert pulled.json()["source"] == "/workspace/regen/out.jsonl"
+    assert (tmp_path / "pulled").read_bytes() == output.read_bytes()
+    model = gpuctl("pull", str(tmp_path / "model"))
+    assert model.code == 1 and model.stderr.count("\n") == 1, model.stderr
+    assert "tl2 is a regenerate run: its output is a data file, not a model (gpuctl pull --what data)" in model.stderr
+    assert not (tmp_path / "model").exists()
+
     # Every id exactly once, each record what a straight, uninterrupted regeneration of the same prompts makes.
     regenerated = read_records(output)
     assert sorted(regenerated) == sorted(f"p{i}" for i in range(PROMPTS))
