@@ -41,6 +41,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import IntEnum
@@ -981,4 +982,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    end_process(main())
+    try:
+        exit_code = main()
+    except Exception:  # noqa: BLE001 - a bug: its traceback, then the end of any failed run
+        traceback.print_exc()
+        exit_code = TrainExit.FAILED
+    end_process(exit_code)
