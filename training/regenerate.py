@@ -350,12 +350,15 @@ def regenerate(config: RegenerateConfig, stop: StopFlag | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from training.step import compute_dtype
+    from training.target import loading_target
 
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    with loading_target("tokenizer", str(target_dir)):
+        tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     generators = []
     for device in devices:  # one at a time: loading several large checkpoints at once needs their sum in memory
-        model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=compute_dtype(config.dtype, device),
-                                                     attn_implementation="sdpa")
+        with loading_target("weights", str(target_dir)):
+            model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=compute_dtype(config.dtype, device),
+                                                         attn_implementation="sdpa")
         generators.append(ReplicaGenerator(model.to(device).eval(), copy.deepcopy(tokenizer), config))
     say(f"target {config.target_path} on {', '.join(map(str, devices))}; {len(pending)} records to generate in "
         f"batches of {config.batch_size}, {'sampled' if config.temperature > 0 else 'greedy'}, "

@@ -15,9 +15,13 @@ the table needs a row for it (a tokenizer without the token gets it as an added 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
+from safetensors import SafetensorError
 from torch import nn
 from transformers import AddedToken, AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
@@ -108,14 +112,16 @@ class Target:
     def load(cls, path: str, device: str | torch.device, dtype: torch.dtype,
              layers: list[int] | None = None) -> Target:
         path = str(Path(path).expanduser())
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        config = AutoConfig.from_pretrained(path)
+        with loading_target("config and tokenizer", path):
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            config = AutoConfig.from_pretrained(path)
         # Everything the served format needs, checked before the weights load.
         check_feature_layers(list(layers) if layers else default_feature_layers(config.num_hidden_layers),
                              config.num_hidden_layers)
         rope_parameters(config)
         mask_token_id(tokenizer, config.vocab_size)
-        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, attn_implementation="sdpa")
+        with loading_target("weights", path):
+            model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, attn_implementation="sdpa")
         return cls(model.to(device), tokenizer, layers)
 
     def _capture_hook(self, index: int):
@@ -181,3 +187,19 @@ class Target:
                 cut = next((i + 1 for i, token in enumerate(row) if token in eos_ids), len(row))
                 continuations.append(row[:cut])
         return continuations
+
+
+@contextmanager
+def loading_target(what: str, path: str) -> Iterator[None]:
+    """A missing or broken model directory (no tokenizer, a config that does not parse or validate, truncated or
+    mismatched weights) is the user's to mend: one ConfigError line, not transformers' traceback."""
+    try:
+        yield
+    except (OSError, ValueError, StrictDataclassError, SafetensorError) as err:
+        raise ConfigError(f"cannot load the target's {what} from {path}: {_one_line(err)}") from None
+
+
+def _one_line(err: BaseException, limit: int = 240) -> str:
+    """An error's message on one line, cut at `limit` characters: transformers' run to paragraphs."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= limit else text[:limit - 1] + "…"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -211,3 +212,16 @@ def test_an_output_line_that_is_not_a_record_is_an_error_not_a_silent_skip(tiny_
             f"output_path={tmp_path / 'out.jsonl'}", "build_tiny=false"]
     code, err = run_main(["--config", "tiny-regenerate"] + [a for s in sets for a in ("--set", s)], capsys)
     assert code == 2 and "out.jsonl:2: not a complete record" in err
+
+
+def test_a_target_with_truncated_weights_is_one_line(tiny_world, tmp_path, capsys):
+    target = tmp_path / "target"
+    shutil.copytree(tiny_world.target, target)
+    weights = target / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:4096])
+    write_prompts(tmp_path / "prompts.jsonl", 2)
+    sets = [f"target_path={target}", f"prompts_path={tmp_path / 'prompts.jsonl'}",
+            f"output_path={tmp_path / 'out.jsonl'}", "build_tiny=false"]
+    code, err = run_main(["--config", "tiny-regenerate"] + [a for s in sets for a in ("--set", s)], capsys)
+    assert code == 2 and err.startswith(f"error: cannot load the target's weights from {target}: "), err
+    assert err.count("\n") == 1 and not (tmp_path / "out.jsonl").exists()

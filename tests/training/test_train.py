@@ -95,3 +95,25 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tiny_world, tmp_path):
     assert checkpoint is not None and int(checkpoint.name.split("_")[1]) >= last_step
     assert "stopped at step" in output
     assert not (tmp_path / "export").exists()  # only a run that ends normally exports itself
+
+
+def _break_config_field(target: Path) -> None:
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "hidden_size": "wide"}))
+
+
+@pytest.mark.parametrize("damage,message", [
+    (_break_config_field, "cannot load the target's config and tokenizer from"),
+    (lambda target: (target / "config.json").write_text("{not json"), "cannot load the target's config and tokenizer"),
+    (lambda target: (target / "tokenizer.json").unlink(), "cannot load the target's config and tokenizer"),
+    (lambda target: (target / "model.safetensors").write_bytes((target / "model.safetensors").read_bytes()[:4096]),
+     "cannot load the target's weights from"),
+])
+def test_a_broken_target_is_one_line_and_exit_2(tiny_world, tmp_path, capsys, damage, message):
+    target = tmp_path / "target"
+    shutil.copytree(tiny_world.target, target)
+    damage(target)
+    sets = [*tiny_world.overrides(tmp_path / "run"), f"target_path={target}", "num_threads=1", "max_steps=1"]
+    assert main(["--config", "tiny"] + [a for s in sets for a in ("--set", s)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1 and str(target) in err, err
