@@ -59,7 +59,8 @@ class MetricsLog:
         self.total_steps = total_steps
         self.start = time.time() if start_time is None else start_time
         self.left_out = 0  # records not written since the last one that was (disk full, quota)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):  # else the first record says why it cannot be written
+            path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, step: int, **values) -> dict:
         """Append one record and print its human-readable form."""

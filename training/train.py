@@ -336,7 +336,15 @@ def step_flops(config: TrainConfig, target: Target, drafter_config: DrafterConfi
 
 
 def prepare_output_dir(config: TrainConfig, resume: bool) -> None:
-    """A fresh run may not silently mix with an earlier run's checkpoints."""
+    """The output dir, made and writable before any slow work; a fresh run may not silently mix with an earlier
+    run's checkpoints."""
+    output_dir = Path(config.output_dir).expanduser()
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"cannot create output_dir {output_dir}: {err.strerror or err}") from None
+    if not os.access(output_dir, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot write in output_dir {output_dir}: permission denied")
     if resume and latest_checkpoint(config.output_dir) is not None:
         check_checkpoint(latest_checkpoint(config.output_dir))  # e.g. a pre-<|MASK|> one: refused before any work
     if resume or latest_checkpoint(config.output_dir) is None:

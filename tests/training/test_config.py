@@ -103,3 +103,11 @@ def test_the_real_command_prints_no_traceback():
                             cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 2
     assert result.stderr.strip() == "error: max_steps must be > 0, got -1"
+
+
+def test_an_output_dir_that_cannot_be_made_is_refused_before_any_work(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    code = main(["--config", "tiny", "--set", f"output_dir={tmp_path / 'file' / 'run'}"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err == f"error: cannot create output_dir {tmp_path / 'file' / 'run'}: Not a directory\n"
