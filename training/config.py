@@ -6,9 +6,11 @@ the entry point prints it and exits 2.
 
 import argparse
 import dataclasses
+import os
 import re
 import signal
 import sys
+import traceback
 import types
 import typing
 from dataclasses import dataclass, field
@@ -33,6 +35,30 @@ class OneLineArgumentParser(argparse.ArgumentParser):
     def error(self, message: str):
         print(f"error: {message}", file=sys.stderr)
         raise SystemExit(2)
+
+
+def end_process(code: int) -> typing.NoReturn:
+    """The entry points' end, with `code`. A run that ended well (0) exits normally. One that did not may leave
+    threads the interpreter's teardown cannot stop cleanly: one inside a device call or a generate loop that a
+    second signal left running, a failed node's store and process group (closing those would wait on nodes that
+    may be gone). Their C++ side can abort that teardown ("terminate called without an active exception":
+    SIGABRT in place of the code, seen in CI), so such a run ends at once, once its output is out."""
+    if code == 0:
+        sys.exit(0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_entry_point(main: typing.Callable[[], int]) -> typing.NoReturn:
+    """`python -m training.X`: main's exit code, through end_process; an exception main did not expect (a bug)
+    prints its traceback and ends the same way, with 1."""
+    try:
+        code = main()
+    except Exception:  # noqa: BLE001 - a bug: its traceback, then the end of any failed run
+        traceback.print_exc()
+        code = 1
+    end_process(code)
 
 
 class StopSignals:

@@ -45,6 +45,7 @@ from training.config import (
     StopSignals,
     load_config,
     parse_devices,
+    run_entry_point,
 )
 from training.data import DataError, encode_chat, parse_conversation
 from training.metrics import MetricsLog, announce_output, say
@@ -421,7 +422,11 @@ def main(argv: list[str] | None = None) -> int:
         print(err.traceback_text, end="", file=sys.stderr)
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 1
+    except KeyboardInterrupt:  # a second Ctrl-C: now, the batches in flight unwritten (a torn line is cut later)
+        print("error: interrupted: the records being generated were not written; run again to continue",
+              file=sys.stderr, flush=True)
+        return 130
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_entry_point(main)  # after a second signal the generation threads are still running: see end_process

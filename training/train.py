@@ -41,12 +41,10 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
-from typing import NoReturn
 
 import torch
 
@@ -66,8 +64,10 @@ from training.config import (
     OneLineArgumentParser,
     StopSignals,
     TrainConfig,
+    end_process,
     load_config,
     parse_devices,
+    run_entry_point,
 )
 from training.data import Batch, BatchStream, DataError, eval_prompts, prepare_sequences
 from training.distributed import (
@@ -943,18 +943,6 @@ def end_for_lost_node(line: str) -> None:
     end_process(TrainExit.NODE_LOST)
 
 
-def end_process(code: int) -> NoReturn:
-    """End the process with `code`. A run that ended well exits normally. One that failed may leave threads the
-    interpreter's teardown cannot stop cleanly: a pipeline thread stuck inside a device call, a failed node's
-    store and process group (closing those would wait on nodes that may be gone). Their C++ side can abort that
-    teardown (SIGABRT in place of the code: seen in CI), so a failed run ends at once, once its output is out."""
-    if code == TrainExit.OK:
-        sys.exit(code)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 def main(argv: list[str] | None = None) -> int:
     """The process: train, then the exit code (TrainExit), decided here and nowhere else."""
     args = parse_args(argv)
@@ -990,9 +978,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        exit_code = main()
-    except Exception:  # noqa: BLE001 - a bug: its traceback, then the end of any failed run
-        traceback.print_exc()
-        exit_code = TrainExit.FAILED
-    end_process(exit_code)
+    run_entry_point(main)

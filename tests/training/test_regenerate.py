@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -169,6 +170,37 @@ def test_killed_and_stopped_runs_resume_with_each_id_exactly_once(tiny_world, tm
     config = config_for(tiny_world, tmp_path / "prompts.jsonl", straight, "batch_size=1", "max_new_tokens=32")
     assert regenerate(config) == 0
     assert {r["id"]: r for r in records} == {r["id"]: r for r in read_output(straight)}
+
+
+@pytest.mark.e2e
+def test_a_second_ctrl_c_ends_at_once_in_one_line_and_the_next_run_finishes(tiny_world, tmp_path):
+    count = 32
+    prompts = write_prompts(tmp_path / "prompts.jsonl", count)
+    output = tmp_path / "regenerated.jsonl"
+    # Batches long enough (8 records, 64 tokens each) that the second Ctrl-C lands while one is in flight.
+    command = regenerate_command(tiny_world, tmp_path / "prompts.jsonl", output, "batch_size=8", "max_new_tokens=64")
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: list[str] = []
+    reader = threading.Thread(target=lambda: seen.extend(process.stdout), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 120
+    while not any(line.startswith("step ") for line in seen):  # generating
+        assert process.poll() is None and time.monotonic() < deadline, "".join(seen)
+        time.sleep(0.02)
+    process.send_signal(signal.SIGINT)
+    while not any("received SIGINT" in line for line in seen):
+        assert process.poll() is None and time.monotonic() < deadline, "".join(seen)
+        time.sleep(0.01)
+    process.send_signal(signal.SIGINT)
+    err = process.stderr.read()
+    assert process.wait(timeout=60) == 130, err
+    assert err == "error: interrupted: the records being generated were not written; run again to continue\n"
+    assert lines_in(output) < count
+
+    finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    ids = [r.get("id") or content_id(r["messages"]) for r in prompts]
+    assert sorted(r["id"] for r in read_output(output)) == sorted(ids)  # every id, each exactly once
 
 
 def run_main(args: list[str], capsys) -> tuple[int, str]:
