@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import threading
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from training.config import run_entry_point
 from training.pipeline import Pipeline, PipelineConfig, PipelineError
 from training.train import StopRequest
 
@@ -132,10 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     except PipelineError as error:
         print(error.traceback_text, file=sys.stderr)
         print(f"error: {error}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        # Ended at once, like the trainer's main after an abort: an aborted run's interpreter teardown can meet
-        # torch's native threads mid-call (seen once on CI: "terminate called", SIGABRT instead of the code).
-        os._exit(130 if isinstance(error.error, KeyboardInterrupt) else 1)
+        return 130 if isinstance(error.error, KeyboardInterrupt) else 1
     args.checkpoint.write_text(json.dumps({"steps_done": result.steps_done, "stopped": result.stopped,
                                                 "signal": stop.signal}))
     print(f"saved checkpoint at step {result.steps_done}", flush=True)
@@ -143,4 +140,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_entry_point(main)  # ended as the trainer is (training/config.py says why)
