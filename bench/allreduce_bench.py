@@ -52,7 +52,7 @@ def node_main(rank: int, nodes: int, port: int, device: str, shape_name: str, st
                   on_lost=lambda line: sys.exit(f"error: {line}"))
     group.form_group(where)
     grads = [torch.full(s, float(rank + 1), device=where) for s in shapes]
-    group.first_step = -1  # time the steady-state group
+    group.begin(-1)  # time the steady-state group
     group.sum_tensors(0, grads)  # warm-up: connections and buffers
     if where.type == "cuda":
         torch.cuda.synchronize(where)

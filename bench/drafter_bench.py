@@ -43,11 +43,11 @@ from drafter_baseline import PARTS, use_old
 from gpu_smoke import QWEN3_8B, SMALL, random_batch
 
 from training.attention import AttentionMask, build_mask, compile_flex_attention
+from training.devices import autocast
 from training.flops import drafter_flops, target_flops
 from training.loss import MATMUL_WRITES_FLOAT32, block_targets
 from training.mask import create_block_mask_reference
 from training.model import Drafter, DrafterConfig
-from training.step import autocast
 from training.target import default_feature_layers
 
 __all__ = ["DrafterConfig", "drafter_flops", "target_flops"]  # the tests read them here

@@ -1,14 +1,14 @@
 """Pipeline throughput on two GPUs: the threaded pipeline against the serial loop, same data and global batch.
 
 - threaded: one target thread on GPU 0 (frozen target forward -> features) and one drafter thread on GPU 1
-  (drafter forward + backward + optimizer step), overlapping through training/pipeline.py;
+  (drafter forward + backward + optimizer step), overlapping through training/pipeline/;
 - serial: each GPU runs the target forward and then the drafter step on its share of the global batch (the
   loop of other trainers), gradients summed across the two GPUs before one optimizer step: the pipeline's
   colocated role on both GPUs (the trainer's `topology = "colocated"`), so gradient sum and step are the
   same code.
 
-Both use the trainer's own stages (training/train.py's TargetReplica and DrafterReplica: fused AdamW, the
-chunked loss, bf16 autocast over fp32 master weights, compiled flex_attention). Qwen3-8B shapes (36 layers,
+Both use the trainer's own stages (TargetReplica and DrafterReplica, training/trainer/replicas.py: fused AdamW,
+the chunked loss, bf16 autocast over fp32 master weights, compiled flex_attention). Qwen3-8B shapes (36 layers,
 hidden 4096, features of layers 1, 9, 17, 25, 33), random weights, bf16 target, 5-layer drafter, 3072-token
 sequences with 512 anchors x 16. Prints tokens/s, each thread's busy fraction and time per sequence, the
 ideal (the slower stage 100% busy) and the threaded/serial ratio. Each mode builds its own replicas and
@@ -42,7 +42,7 @@ from training.data import Batch, BatchStream, Sequence
 from training.model import Drafter, DrafterConfig
 from training.pipeline import Pipeline, PipelineConfig, Utilisation
 from training.target import Target
-from training.train import DrafterReplica, TargetReplica
+from training.trainer import DrafterReplica, TargetReplica
 
 FEATURE_LAYERS = [1, 9, 17, 25, 33]
 QWEN3_8B = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,

@@ -28,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from training.config import ConfigError
+from training.durable import fsync_path
 from training.model import Drafter, DrafterConfig
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -60,15 +61,6 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
     found = list_checkpoints(output_dir)
     return found[-1] if found else None
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a directory by its path (a directory's fsync makes a rename in it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def rng_state() -> dict:

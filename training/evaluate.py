@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from training.attention import build_mask
+from training.devices import autocast
 from training.model import Drafter
-from training.step import autocast
 from training.target import Target
 
 

@@ -27,9 +27,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from training.checkpoint import STEP_DIR, check_checkpoint, checkpoints_dir, fsync_path
-from training.config import ConfigError, OneLineArgumentParser
-from training.metrics import say
+from training.checkpoint import STEP_DIR, check_checkpoint, checkpoints_dir
+from training.config import ConfigError
+from training.console import say
+from training.durable import fsync_path
+from training.entry import OneLineArgumentParser
 from training.model import Drafter, DrafterConfig
 from training.target import check_feature_layers, rope_parameters
 

@@ -1,6 +1,6 @@
 """Where the pipeline's threads run, and the model `topology = "auto"` chooses a layout with.
 
-A layout gives each device entry a role (training/pipeline.py): target (the frozen target's forward; features
+A layout gives each device entry a role (training/pipeline/): target (the frozen target's forward; features
 through the queue), drafter (a drafter replica on those features) or colocated (both, one after the other, in
 one thread: the serial loop). `topology` names one over `devices`: "colocated" (every entry), "T:D" (the first
 T entries targets, the other D drafters; or all T + D threads on a single entry), or "auto".

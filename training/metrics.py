@@ -13,7 +13,7 @@ torch's peak allocation on a GPU, the process's peak RSS for "cpu"), and from th
 busy fraction of the window) and `queue_depth` (`mean`, `max`, `bound`). The first training record adds
 `layout_detail` (every role's devices) and, with topology "auto", `layout_auto` (the trial's times per sequence
 and every candidate's prediction and memory), and every record `predicted_tokens_per_s`. Evaluations add
-`acceptance_length`. In a multi-node run (training/distributed.py) node 0's records count every node:
+`acceptance_length`. In a multi-node run (training/distributed/) node 0's records count every node:
 `tokens_per_s` and `tflops_per_s` are the run's, and `nodes` lists each node's own (`node`, `tokens_per_s`,
 `tflops_per_s`, `busy`, and `all_reduce_ms`: its gradient all-reduce's mean time a step over the window); each other node writes the same records with its own figures (and `node`), for gpuctl
 status, and no evaluation.
@@ -24,9 +24,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 import time
 from pathlib import Path
+
+from training.console import say, warn
 
 
 def announce_output(key: str, output: str | Path) -> None:
@@ -116,12 +117,3 @@ def format_progress(record: dict) -> str:
     parts.append(f"{record['elapsed_s']:.1f}s")
     return "  ".join(parts)
 
-
-def say(message: str) -> None:
-    """A human line on stdout, flushed at once (the log is read through a file while the run goes on)."""
-    print(message, file=sys.stdout, flush=True)
-
-
-def warn(message: str) -> None:
-    """Something went wrong and the run goes on: one line on stderr, flushed at once."""
-    print(f"warning: {message}", file=sys.stderr, flush=True)

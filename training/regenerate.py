@@ -38,17 +38,12 @@ from pathlib import Path
 
 import torch
 
-from training.config import (
-    DTYPES,
-    ConfigError,
-    OneLineArgumentParser,
-    StopSignals,
-    load_config,
-    parse_devices,
-    run_entry_point,
-)
+from training.config import DTYPES, ConfigError, load_config, parse_devices
+from training.console import say
 from training.data import DataError, encode_chat, parse_conversation
-from training.metrics import MetricsLog, announce_output, say
+from training.devices import check_devices, compute_dtype
+from training.entry import OneLineArgumentParser, StopSignals, run_entry_point
+from training.metrics import MetricsLog, announce_output
 
 
 @dataclass
@@ -312,11 +307,7 @@ class ThreadFailure(RuntimeError):
 
 def pick_devices(config: RegenerateConfig) -> list[torch.device]:
     devices = [torch.device(d) for d in dict.fromkeys(parse_devices(config.target_devices, "target_devices"))]
-    for device in devices:
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(f"{device} requested but CUDA is not available")
-        if device.type == "cuda" and device.index >= torch.cuda.device_count():
-            raise ConfigError(f"{device} requested but only {torch.cuda.device_count()} GPU(s) are visible")
+    check_devices(devices)
     return devices
 
 
@@ -324,10 +315,8 @@ def metrics_file(output: Path) -> Path:
     return Path(os.environ.get("GPUCTL_METRICS") or output.with_suffix(".metrics.jsonl"))
 
 
-def regenerate(config: RegenerateConfig, stop: StopFlag | None = None) -> int:
-    devices = pick_devices(config)
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
+def target_directory(config: RegenerateConfig) -> Path:
+    """The target's model directory (with build_tiny, the tiny one built there first), checked."""
     if config.build_tiny:
         from training.tiny import ensure_tiny
 
@@ -335,6 +324,31 @@ def regenerate(config: RegenerateConfig, stop: StopFlag | None = None) -> int:
     target_dir = Path(config.target_path).expanduser()
     if not (target_dir / "config.json").is_file():
         raise ConfigError(f"target_path {config.target_path} is not a model directory (no config.json)")
+    return target_dir
+
+
+def load_generators(config: RegenerateConfig, target_dir: Path, devices: list[torch.device]) -> list[ReplicaGenerator]:
+    """One generator per device, each with its own copy of the target."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from training.target import loading_target
+
+    with loading_target("tokenizer", str(target_dir)):
+        tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    generators = []
+    for device in devices:  # one at a time: loading several large checkpoints at once needs their sum in memory
+        with loading_target("weights", str(target_dir)):
+            model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=compute_dtype(config.dtype, device),
+                                                         attn_implementation="sdpa")
+        generators.append(ReplicaGenerator(model.to(device).eval(), copy.deepcopy(tokenizer), config))
+    return generators
+
+
+def regenerate(config: RegenerateConfig, stop: StopFlag | None = None) -> int:
+    devices = pick_devices(config)
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    target_dir = target_directory(config)
     stop = stop or StopFlag()  # never entered: no signal handling when called as a library
 
     records, duplicates = load_prompts(config.prompts_path)
@@ -348,19 +362,7 @@ def regenerate(config: RegenerateConfig, stop: StopFlag | None = None) -> int:
         say(f"done: all {total} records are in {output}")
         return 0
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from training.step import compute_dtype
-    from training.target import loading_target
-
-    with loading_target("tokenizer", str(target_dir)):
-        tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-    generators = []
-    for device in devices:  # one at a time: loading several large checkpoints at once needs their sum in memory
-        with loading_target("weights", str(target_dir)):
-            model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=compute_dtype(config.dtype, device),
-                                                         attn_implementation="sdpa")
-        generators.append(ReplicaGenerator(model.to(device).eval(), copy.deepcopy(tokenizer), config))
+    generators = load_generators(config, target_dir, devices)
     say(f"target {config.target_path} on {', '.join(map(str, devices))}; {len(pending)} records to generate in "
         f"batches of {config.batch_size}, {'sampled' if config.temperature > 0 else 'greedy'}, "
         f"thinking {'on' if config.enable_thinking else 'off'}")

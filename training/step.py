@@ -1,46 +1,23 @@
-"""One training step, as two stages that may run on different devices (and, in the pipeline, threads):
-
-- target stage: the frozen target turns a batch's tokens into features, delivered on the drafter's device;
-- drafter stage: the drafter's forward pass and loss on those features (the caller runs backward and steps).
-"""
+"""The drafter's half of a training step: its forward pass and loss on the target's features (the caller,
+the pipeline's replica thread, runs backward and steps; the target's half is `Target.features`)."""
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 
 from training.attention import FlexAttention, build_mask
 from training.data import Batch
+from training.devices import autocast
 from training.loss import block_targets, dflash_loss
 from training.model import Drafter
-from training.target import Target
 
 
 @dataclass
 class DrafterOutput:
     loss: torch.Tensor  # scalar, with gradient
     accuracy: torch.Tensor  # top-1 accuracy over positions with loss, no gradient
-
-
-def compute_dtype(name: str, device: torch.device | str) -> torch.dtype:
-    """The dtype of the target's weights and of the drafter's autocast: auto = bf16 on CUDA, fp32 elsewhere."""
-    if name == "auto":
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    return getattr(torch, name)
-
-
-def autocast(device: torch.device | str, dtype: torch.dtype):
-    """bf16 autocast over float32 master weights, or nothing when computing in float32."""
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
-
-
-def target_stage(target: Target, batch: Batch, drafter_device: torch.device | str) -> torch.Tensor:
-    """[B, L, n*D] features of the batch's tokens, on the drafter's device."""
-    return target.features(batch.input_ids).to(drafter_device, non_blocking=True)
 
 
 def drafter_stage(drafter: Drafter, features: torch.Tensor, batch: Batch, backend: str, gamma: float,

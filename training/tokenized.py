@@ -45,6 +45,7 @@ from training.data import (
     truncate,
     usable,
 )
+from training.durable import fsync_path
 
 FORMAT = 1  # bump when what is cached, or the loss-mask rule, changes
 CACHE_DIR_NAME = ".gpuctl-tokenized"
@@ -284,19 +285,11 @@ def _publish(tmp: Path, final: Path, built: _Built, key: str, file: Path, log: L
         log(f"tokenized data: replacing the damaged cache {final}")
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_path(final.parent)
     _remove_stale(final, file)
     log(f"tokenized {built.records} conversations ({built.tokens} tokens) in {built.seconds:.1f}s with "
         f"{built.workers} process{'es' if built.workers > 1 else ''}; cached in {final}")
     return _open(final, key, file, built=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _remove_stale(final: Path, file: Path) -> None:

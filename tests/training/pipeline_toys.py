@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from training.config import run_entry_point
+from training.entry import run_entry_point
 from training.pipeline import Pipeline, PipelineConfig, PipelineError
-from training.train import StopRequest
+from training.trainer import StopRequest
 
 IN, FEATURES, OUT = 6, 12, 3
 
@@ -140,4 +140,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    run_entry_point(main)  # ended as the trainer is (training/config.py says why)
+    run_entry_point(main)  # ended as the trainer is (training/entry.py says why)

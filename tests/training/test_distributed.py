@@ -1,4 +1,4 @@
-"""Multi-node runs (training/distributed.py), as real trainer processes on this machine: gloo on loopback
+"""Multi-node runs (training/distributed/), as real trainer processes on this machine: gloo on loopback
 (GLOO_SOCKET_IFNAME=lo), env:// variables, each node its own output directory (other hosts share no disk).
 
 Equal losses are held to a relative tolerance of 1e-5: the nodes sum the same micro-batches' gradients as one

@@ -23,8 +23,8 @@ from training.data import encode_chat, eval_prompts, load_conversations
 from training.export import main as export_main
 from training.model import Drafter, DrafterConfig
 from training.target import MASK_TOKEN, Target
-from training.train import cosine_schedule
 from training.train import main as train_main
+from training.trainer import cosine_schedule
 
 REPO = Path(__file__).resolve().parents[2]
 NEW_TOKENS = 48

@@ -23,7 +23,8 @@ from training.layout import (
     layout_from_topology,
     predict_sequences_per_s,
 )
-from training.train import CosineSchedule, main
+from training.train import main
+from training.trainer import CosineSchedule
 
 GIB = 2**30
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.train import TrainExit, cosine_schedule, main
+from training.train import TrainExit, main
+from training.trainer import cosine_schedule
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e

@@ -1,32 +1,13 @@
-"""One run over several trainer processes (nodes), through torch.distributed alone (ARCHITECTURE §8).
-
-Each node is one process running the threaded pipeline over its own devices. The pipeline sums its own
-replicas' gradients first; `Nodes` then all-reduces that sum across the processes (gloo on the CPU, NCCL on
-GPUs) before the one clip and the optimizer step, so every replica on every node takes the same step.
-
-A run is multi-node when WORLD_SIZE > 1: the env:// variables RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
-(gpuctl sets them, one process per node; torchrun sets the same). Node 0 hosts the rendezvous (a TCPStore on
-MASTER_PORT) and is the only one that writes checkpoints, the run's metrics and the export.
-
-Timeouts: joining waits `node_start_timeout_s` for every node (a node that never starts does not hold the
-others for ten minutes); collectives around slow, uneven work (start, the first step after warm-up, node 0's
-checkpoints, evaluations and export) wait `node_sync_timeout_s`; steady-state steps wait `node_timeout_s`.
-Each node also beats a counter in the store every second; a node whose counter stops for a minute (or
-`node_timeout_s`, if shorter: hung or dead), or a store that stops answering as long (node 0 gone), makes every
-other node stop with a line naming it, before any collective's own timeout. On NCCL, TORCH_NCCL_BLOCKING_WAIT
-makes a failed collective raise in the thread that waits on it (a line, exit 6) rather than abort the process.
-"""
+"""This process's place in a multi-node run (`Nodes`), and `join_nodes`, which gives the run its nodes: `Nodes`
+when WORLD_SIZE > 1, else the single node (training/distributed/single.py)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
+import contextlib
 import os
 import shutil
-import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -35,132 +16,15 @@ import torch
 import torch.distributed as dist
 
 from training.config import ConfigError
+from training.console import say
+from training.distributed.env import NodeEnv, NodeLost, Timeouts, micro_batch_share, node_env, timeouts_of
+from training.distributed.fingerprint import fingerprint_difference
+from training.distributed.heartbeat import HEARTBEAT_LOST_S, Heartbeat, describe_ranks
+from training.distributed.single import SingleNode
 
-ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-# Config keys each node may set for itself: where things are on its disk and how it uses its own devices.
-PER_NODE_KEYS = frozenset({"target_path", "data_path", "eval_data_path", "output_dir", "build_tiny",
-                           "overwrite_output", "devices", "topology", "target_devices", "drafter_devices",
-                           "colocated_devices", "num_threads", "queue_depth"})
-_BEAT_S = 1.0  # how often a node beats its counter in the store
 _NAMING_S = 3.0  # after a failed collective: a node silent this long is the one that went
-HEARTBEAT_LOST_S = 60.0  # a node silent this long (or node_timeout_s, if shorter) is lost: hung or dead
 _BUCKET_BYTES = 256 * 2**20  # gradients are all-reduced in flat buckets of this size
 _FILE_CHUNK_BYTES = 64 * 2**20  # checkpoint files go from node 0 to the others in chunks of this size
-
-
-class NodeLost(RuntimeError):
-    """Another node died, hung or left: this run cannot go on (the trainer exits failed, with this line)."""
-
-
-@dataclass(frozen=True)
-class NodeEnv:
-    rank: int
-    world_size: int
-    master_addr: str
-    master_port: int
-
-
-def node_env(environ: dict[str, str] | None = None) -> NodeEnv | None:
-    """The env:// variables of a multi-node run; None for a single-node run (WORLD_SIZE unset or 1)."""
-    environ = os.environ if environ is None else environ
-    if int(environ.get("WORLD_SIZE", "1") or "1") <= 1:
-        return None
-    missing = [key for key in ENV_KEYS if not environ.get(key)]
-    if missing:
-        raise ConfigError(f"WORLD_SIZE={environ['WORLD_SIZE']} but {', '.join(missing)} not set: a multi-node run "
-                          "needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT")
-    try:
-        env = NodeEnv(int(environ["RANK"]), int(environ["WORLD_SIZE"]), environ["MASTER_ADDR"],
-                      int(environ["MASTER_PORT"]))
-    except ValueError as err:
-        raise ConfigError(f"RANK, WORLD_SIZE and MASTER_PORT must be integers ({err})") from None
-    if not 0 <= env.rank < env.world_size:
-        raise ConfigError(f"RANK={env.rank} is outside 0..{env.world_size - 1} (WORLD_SIZE={env.world_size})")
-    if not 0 < env.master_port < 65536:
-        raise ConfigError(f"MASTER_PORT={env.master_port} is not a TCP port")
-    return env
-
-
-@dataclass(frozen=True)
-class Timeouts:
-    start_s: float  # every node joins within this
-    sync_s: float  # collectives around uneven work: the first step, node 0's checkpoints, evaluation, export
-    step_s: float  # steady-state collectives; also how long a node may go without a heartbeat
-
-
-def micro_batch_share(micro_batches_per_step: int, rank: int, world_size: int) -> list[int]:
-    """The indices of a step's micro-batches that node `rank` computes: n % world_size == rank, so every
-    micro-batch goes to exactly one node whatever their number and layouts."""
-    if micro_batches_per_step < world_size:
-        raise ConfigError(f"a step has {micro_batches_per_step} micro-batch(es) for {world_size} nodes: raise "
-                          "batch_size (or lower micro_batch_size) so that every node has at least one")
-    return list(range(rank, micro_batches_per_step, world_size))
-
-
-class Heartbeat:
-    """Every node adds 1 to its own counter in the store every second and reads everyone's. A node whose
-    counter has not moved for `lost_after_s` is hung or dead; a store that fails is node 0 gone. Either way
-    `on_lost(line)` is called once, from this thread."""
-
-    def __init__(self, store: dist.Store, rank: int, world_size: int, lost_after_s: float,
-                 on_lost: Callable[[str], None]):
-        self.store, self.rank, self.world_size = store, rank, world_size
-        self.lost_after_s, self.on_lost = lost_after_s, on_lost
-        self.keys = [f"gpuctl/beat/{r}" for r in range(world_size)]
-        self._counts: list[int | None] = [None] * world_size
-        self._heard = [time.monotonic()] * world_size  # when each node's counter last moved
-        self.gone: str | None = None  # why the store stopped answering, once for lost_after_s
-        self.unreachable_since: float | None = None  # the store fails (node 0 gone, or the network)
-        self._stop = threading.Event()
-        self.store.add(self.keys[rank], 1)
-        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
-
-    def start(self) -> Heartbeat:
-        self._thread.start()
-        return self
-
-    def stop(self, wait: bool = True) -> None:
-        """No more beats or verdicts (this node is ending); with `wait`, returns once the thread is done with
-        the store."""
-        self._stop.set()
-        if wait and self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.wait(_BEAT_S):
-            try:
-                self.store.add(self.keys[self.rank], 1)
-                counts = [int(value) for value in self.store.multi_get(self.keys)]
-            except Exception as err:  # noqa: BLE001 - the store is node 0's: a failure is node 0 or the network
-                now = time.monotonic()
-                self.unreachable_since = self.unreachable_since or now
-                if self._stop.is_set():
-                    return
-                if now - self.unreachable_since < self.lost_after_s:
-                    continue  # a blip: try again
-                self.gone = (f"node 0 (the rendezvous) stopped answering for {self.lost_after_s:.0f} s "
-                             f"({type(err).__name__}: {err})")
-                self.on_lost(self.gone)
-                return
-            self.unreachable_since = None
-            now = time.monotonic()
-            for rank, count in enumerate(counts):
-                if count != self._counts[rank]:
-                    self._counts[rank], self._heard[rank] = count, now
-            silent = self.silent(self.lost_after_s)
-            if silent and not self._stop.is_set():
-                self.on_lost(f"{_nodes(silent)} stopped answering (no heartbeat for {self.lost_after_s:.0f} s): "
-                             "hung or dead")
-                return
-
-    def silent(self, for_s: float) -> list[int]:
-        """Other nodes not heard from for `for_s` seconds."""
-        now = time.monotonic()
-        return [r for r in range(self.world_size) if r != self.rank and now - self._heard[r] > for_s]
-
-
-def _nodes(ranks: Sequence[int]) -> str:
-    return ("node " if len(ranks) == 1 else "nodes ") + ", ".join(str(r) for r in ranks)
 
 
 class Nodes:
@@ -175,7 +39,8 @@ class Nodes:
         self.rank, self.world_size, self.env = env.rank, env.world_size, env
         self.timeouts = timeouts
         self.device, self.backend = torch.device("cpu"), "gloo"  # form_group's
-        self.first_step: int | None = None  # the first step's collectives wait out everyone's warm-up
+        self.first_step: int | None = None  # begin's: that step's collectives wait out everyone's warm-up
+        self.per_step = 0  # share's: a step's micro-batches on every node together
         self._all_reduce_spans: list[tuple[Any, Any]] = []  # per step since the last take: (start, end) marks
         try:
             self.store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, env.rank == 0,
@@ -246,6 +111,32 @@ class Nodes:
         self._collective("the end", dist.barrier, group=self._sync_group)
         dist.destroy_process_group()
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """A run that ended well closes (`close`); one that failed only stops beating: it is ending anyway, and
+        a node that ends first is not "lost"."""
+        if exc_type is None:
+            self.close()
+        else:
+            self.heartbeat.stop(wait=False)
+
+    # The run's shape on this node.
+    def share(self, per_step: int) -> list[int]:
+        """The indices of each step's `per_step` micro-batches this node computes (micro_batch_share)."""
+        self.per_step = per_step
+        return micro_batch_share(per_step, self.rank, self.world_size)
+
+    def begin(self, first_step: int) -> None:
+        """Training starts at `first_step`: its collectives wait out every node's warm-up and compile."""
+        self.first_step = first_step
+
+    def stall_timeout_s(self, alone_s: float) -> float:
+        """The pipeline's stall watchdog: waiting for node 0's checkpoint or evaluation makes no progress here,
+        and is not a stall."""
+        return max(alone_s, self.timeouts.sync_s + 60)
+
     # Collectives.
     def _collective(self, what: str, op: Callable, *args, **kwargs) -> Any:
         try:
@@ -265,7 +156,7 @@ class Nodes:
                 return "node 0 (the rendezvous) stopped answering"
             silent = self.heartbeat.silent(_NAMING_S)
             if silent:
-                return f"{_nodes(silent)} stopped answering"
+                return f"{describe_ranks(silent)} stopped answering"
             time.sleep(0.2)
         return "a node failed or timed out (every heartbeat still comes)"
 
@@ -333,12 +224,24 @@ class Nodes:
         """Meet every node, with the long timeout: node 0 arrives after its checkpoint, evaluation or export."""
         self._collective(f"waiting for node 0's {what}", dist.barrier, group=self._sync_group)
 
-    def check_same(self, fingerprint: dict[str, Any]) -> None:
+    def combine_figures(self, step: int, tokens_per_s: float, tflops_per_s: float,
+                        busy: dict[str, float]) -> tuple[float, float, dict[str, Any]]:
+        """A metrics window's figures exchanged between the nodes: node 0 gets the run's tokens/s and TFLOP/s and
+        every node's own (`nodes`), each other node its own and its all-reduce time."""
+        mine = {"node": self.rank, "tokens_per_s": round(tokens_per_s, 1), "tflops_per_s": tflops_per_s,
+                "busy": busy, "all_reduce_ms": self.take_all_reduce_ms()}
+        everyone = self.gather(mine, f"step {step}'s metrics")
+        if not self.leader:
+            return tokens_per_s, tflops_per_s, {"node": self.rank, "all_reduce_ms": mine["all_reduce_ms"]}
+        return (sum(node["tokens_per_s"] for node in everyone),
+                round(sum(node["tflops_per_s"] for node in everyone), 3), {"nodes": everyone})
+
+    def check_same(self, fingerprint: Callable[[], dict[str, Any]]) -> None:
         """Refuse (ConfigError, on every node alike) a run whose nodes differ in config, data, target or drafter
-        from node 0: `fingerprint` maps each to what this node has (see run_fingerprint)."""
+        from node 0: `fingerprint()` maps each to what this node has (see run_fingerprint)."""
         everyone: list[Any] = [None] * self.world_size
         self._collective("the start's check of config, data and target", dist.all_gather_object, everyone,
-                         fingerprint, group=self._sync_group)
+                         fingerprint(), group=self._sync_group)
         first = everyone[0]
         for rank, theirs in enumerate(everyone[1:], 1):
             difference = fingerprint_difference(first, theirs)
@@ -346,6 +249,21 @@ class Nodes:
                 raise ConfigError(f"node {rank} {difference}: every node must train the same drafter on the same "
                                   "data with the same config (only devices, topology, paths and num_threads may "
                                   "differ)")
+        share = micro_batch_share(self.per_step, self.rank, self.world_size)
+        say(f"node {self.rank} of {self.world_size}: every node has the same config, data, target and drafter; "
+            f"this node computes {len(share)} of each step's {self.per_step} micro-batches")
+
+    @contextlib.contextmanager
+    def resume_from(self, checkpoint: Path | None, into: Path) -> Iterator[Path | None]:
+        """Node 0's checkpoint (`checkpoint`, None for none) on every node, for the time of the `with`: a node
+        other than 0 gets its copy under `into` (share_checkpoint), deleted afterwards."""
+        try:
+            yield self.share_checkpoint(checkpoint, into)
+        finally:
+            if not self.leader:
+                shutil.rmtree(into, ignore_errors=True)
+                with contextlib.suppress(OSError):  # empty unless another node shares this output_dir
+                    into.parent.rmdir()
 
     def share_checkpoint(self, checkpoint: Path | None, into: Path) -> Path | None:
         """Node 0's checkpoint to resume from, for every node: node 0 sends its files (other hosts do not share
@@ -395,47 +313,12 @@ def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]
     return buckets
 
 
-def tensor_sums(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, tuple[float, float]]:
-    """Each tensor's sum and sum of magnitudes, in float64: equal weights give sums equal within a rounding
-    bound whatever the device and its order of addition, a different model does not (read where the weights
-    live: an 8 B target is milliseconds on a GPU, where hashing its files is minutes)."""
-    return {name: (float(t.detach().sum(dtype=torch.float64)),
-                   float(torch.linalg.vector_norm(t.detach(), 1, dtype=torch.float64))) for name, t in named}
-
-
-def run_fingerprint(config: dict[str, Any], data_id: dict[str, Any], target_config: dict,
-                    target_weights: dict[str, tuple[float, float]],
-                    drafter_weights: dict[str, tuple[float, float]]) -> dict[str, Any]:
-    """What must be alike on every node of a run (Nodes.check_same)."""
-    shared = {key: value for key, value in config.items() if key not in PER_NODE_KEYS}
-    target = hashlib.sha256(json.dumps(target_config, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return {"config": shared, "data": data_id, "target": target, "target_weights": target_weights,
-            "drafter_weights": drafter_weights}
-
-
-def fingerprint_difference(first: dict[str, Any], theirs: dict[str, Any], rel_tol: float = 1e-7) -> str | None:
-    """How `theirs` differs from node 0's `first`, in words; None when alike."""
-    for key in sorted(set(first["config"]) | set(theirs["config"])):
-        if first["config"].get(key) != theirs["config"].get(key):
-            return (f"has {key}={theirs['config'].get(key)!r} where node 0 has {first['config'].get(key)!r} "
-                    "in its training config")
-    for key in sorted(set(first["data"]) | set(theirs["data"])):
-        if first["data"].get(key) != theirs["data"].get(key):
-            return (f"reads other training data than node 0 ({key}: {theirs['data'].get(key)!r} vs "
-                    f"{first['data'].get(key)!r})")
-    if first["target"] != theirs["target"]:
-        return "has another target model config than node 0"
-    for what in ("target_weights", "drafter_weights"):
-        if list(first[what]) != list(theirs[what]):
-            return f"has other {what.replace('_', ' ')} than node 0 (other tensor names)"
-        for name, (value, magnitude) in first[what].items():
-            other, other_magnitude = theirs[what][name]
-            # Float64 sums of the same values in another order differ by far less than 1e-7 of their magnitude.
-            if abs(other - value) > rel_tol * max(magnitude, other_magnitude, 1e-30):
-                return f"has other {what.replace('_', ' ')} than node 0 ({name}: sum {other!r} vs {value!r})"
-    return None
-
-
-def timeouts_of(config) -> Timeouts:
-    return Timeouts(config.node_start_timeout_s, config.node_sync_timeout_s, config.node_timeout_s)
-
+def join_nodes(config, on_lost: Callable[[str], None]) -> Nodes | SingleNode:
+    """This run's nodes: with WORLD_SIZE > 1 in the environment, node 0's rendezvous joined (Nodes, which calls
+    `on_lost(line)` from its heartbeat thread when another node hangs or dies); else the single node."""
+    env = node_env()
+    if env is None:
+        return SingleNode()
+    micro_batch_share(config.micro_batches_per_step(), env.rank, env.world_size)  # refused before joining
+    say(f"node {env.rank} of {env.world_size}: joining node 0 at {env.master_addr}:{env.master_port}")
+    return Nodes(env, timeouts_of(config), on_lost)

@@ -1,0 +1,224 @@
+"""The world a run trains with: its layout (topology "auto" measured and chosen here), the frozen target's
+replicas, the data, the drafter replicas."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from training.attention import resolve_backend
+from training.compile import SharedFlexAttention, projected_qkv
+from training.config import ConfigError, TrainConfig, parse_devices
+from training.console import say
+from training.data import Batch, BatchStream, prepare_sequences
+from training.devices import check_devices
+from training.layout import (
+    Choice,
+    Layout,
+    StageProfile,
+    choose_layout,
+    explicit_layout,
+    layout_from_topology,
+    measure_stages,
+)
+from training.model import Drafter, DrafterConfig
+from training.random_world import NUM_CONVERSATIONS as NUM_RANDOM_CONVERSATIONS
+from training.random_world import random_target, synthetic_conversations
+from training.target import Target
+from training.tokenized import load_training_data
+from training.trainer.replicas import DrafterReplica, shared_flex_attention
+
+
+def pick_layout(config: TrainConfig) -> tuple[Layout | None, list[torch.device], str]:
+    """The layout (None for topology "auto", which a trial decides), the devices it may use, and the
+    attention backend, checked against this machine."""
+    layout = explicit_layout(config.target_devices, config.drafter_devices, config.colocated_devices)
+    if layout is None and config.topology != "auto":
+        layout = layout_from_topology(config.topology, parse_devices(config.devices, "devices"))
+    names = list(layout.devices) if layout is not None else parse_devices(config.devices, "devices")
+    devices = [torch.device(name) for name in names]
+    check_devices(devices)
+    # Auto may put a drafter replica on any of its devices.
+    replica_devices = [torch.device(d) for d in layout.replica_devices] if layout is not None else devices
+    backend = resolve_backend(config.attention, replica_devices[0])
+    if backend == "flex" and any(device.type != "cuda" for device in replica_devices):
+        raise ConfigError("attention=flex needs a CUDA device for every drafter (torch refuses "
+                          "flex_attention's backward on the CPU); use sdpa or auto")
+    return layout, devices, backend
+
+
+def load_targets(config: TrainConfig, devices: list[torch.device], dtype: torch.dtype) -> list[Target]:
+    """The frozen target, one replica per device given, loaded (or, with random_target, built) one at a time
+    in this thread."""
+    if config.random_target:
+        return [random_target(config.random_target, device, dtype, config.target_layers or None, config.seed)
+                for device in devices]
+    if config.build_tiny:
+        from training.tiny import ensure_tiny
+
+        ensure_tiny(config.target_path, config.data_path, config.eval_data_path, config.seed)
+    if not (Path(config.target_path).expanduser() / "config.json").is_file():
+        raise ConfigError(f"target_path {config.target_path} is not a model directory (no config.json)")
+    return [Target.load(config.target_path, device, dtype, config.target_layers or None) for device in devices]
+
+
+def load_data(config: TrainConfig, tokenizer) -> tuple[BatchStream, list[list[dict]], dict]:
+    """The training micro-batches, the held-out conversations evaluation drafts on (eval_data_path, else
+    the tail of the training data, through the tokenized cache; with random_target, synthetic conversations
+    that fill max_length, tokenized here), and what identifies the training data (the tokenized cache's key:
+    the data file's sha256, the tokenizer, the template options; and the count kept). Bad lines stop the run,
+    or with skip_bad_data are skipped; they and the conversations the recipe drops (under 2 x block_size loss
+    tokens) are counted in one line."""
+    if config.random_target:
+        conversations = synthetic_conversations(NUM_RANDOM_CONVERSATIONS + config.eval_prompts, config.max_length,
+                                                config.seed)
+        cut = len(conversations) - config.eval_prompts
+        sequences = prepare_sequences(tokenizer, conversations[:cut], config.max_length, config.block_size,
+                                      {"enable_thinking": config.enable_thinking})
+        held_out = conversations[cut:]
+        data_id = {"synthetic conversations of seed": config.seed}
+    else:
+        data = load_training_data(tokenizer, config, log=say)  # tokenised once, then read from its cache
+        sequences, held_out = data.sequences, data.held_out
+        # What decides the ids (not the path, nor the libraries' versions when the tokenizer is the same).
+        data_id = {key: data.tokenized.index["fields"][key] for key in
+                   ("data_sha256", "tokenizer", "max_length", "template_options", "skip_bad_data")}
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    stream = BatchStream(sequences, config.micro_batch_rows(), config.buckets(), config.block_size,
+                         config.num_anchors, pad_id, config.seed)
+    return stream, held_out, {**data_id, "sequences kept": len(sequences)}
+
+
+def build_drafters(config: TrainConfig, target: Target, devices: list[torch.device]) -> list[Drafter]:
+    """Identical drafter replicas, one per drafter device, on the target's frozen embedding and LM head."""
+    drafter_config = DrafterConfig.from_target(target.config, config.num_draft_layers, config.block_size,
+                                               target.layers, target.mask_token_id)
+    embedding = target.model.get_input_embeddings().weight.to(devices[0])
+    lm_head = target.model.get_output_embeddings().weight.to(devices[0])
+    torch.manual_seed(config.seed)  # here, so that building the tiny world first changes nothing
+    # Initialised in place: a 1 B-parameter drafter is slow to init on a CPU.
+    with torch.device(devices[0]):
+        drafter = Drafter(drafter_config, embedding, lm_head)
+    return [drafter] + [copy.deepcopy(drafter).to(device) for device in devices[1:]]
+
+
+TRIAL_BATCHES = 4  # micro-batches the layout trial times each stage on (the first is warm-up)
+
+
+def layout_trial(config: TrainConfig, devices: list[torch.device], target: Target, replica: DrafterReplica,
+                 stream: BatchStream, shared_flex: SharedFlexAttention | None) -> Choice:
+    """topology "auto": time a target forward and a drafter step (forward + backward, no optimizer step, so
+    the weights stay as built) on the run's first micro-batches, on the first device, measure their memory,
+    and choose the layout (training/layout.py). The data stream is not advanced; the compiled attention is
+    warmed and called within its discipline (SharedFlexAttention.trial)."""
+    device = replica.device
+    probe = BatchStream(stream.sequences, config.micro_batch_rows(), config.buckets(), config.block_size,
+                        config.num_anchors, stream.pad_id, config.seed)
+    probe.load_state_dict(stream.state_dict())
+    batches = [next(probe).to(device) for _ in range(TRIAL_BATCHES)]
+
+    def drafter_step(features: torch.Tensor, batch: Batch) -> None:
+        loss, _ = replica.loss(features, batch)
+        loss.backward()
+        for param in replica.params:
+            param.grad = None
+
+    compiled = (shared_flex.trial(device, replica._warm_up_mask, projected_qkv) if shared_flex is not None
+                else contextlib.nullcontext())
+    with compiled:
+        measured = measure_stages(device, batches, config.micro_batch_rows(),
+                                  lambda batch: target.features(batch.input_ids), drafter_step)
+
+    def nbytes(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    rows = config.micro_batch_rows()
+    profile = StageProfile(
+        target_s=measured["target_s"], drafter_s=measured["drafter_s"], rows=rows,
+        tokens_per_sequence=sum(b.num_tokens for b in batches) / (len(batches) * rows),
+        target_static=nbytes([*target.model.parameters(), *target.model.buffers()]),
+        target_peak=int(measured["target_peak"]),
+        # fp32 weights and AdamW's two fp32 moments (the gradients are in the measured peak), frozen tables.
+        drafter_static=nbytes(replica.drafter.buffers()) + sum(p.numel() * (p.element_size() + 8)
+                                                               for p in replica.params),
+        drafter_peak=int(measured["drafter_peak"]), features=int(measured["features"]),
+        device_memory={str(d): torch.cuda.get_device_properties(d).total_memory for d in devices
+                       if d.type == "cuda"},
+    )
+    for gpu in {d for d in devices if d.type == "cuda"}:
+        torch.cuda.reset_peak_memory_stats(gpu)  # the run's peaks, not the trial's
+    return choose_layout([str(d) for d in devices], profile, config.micro_batches_per_step(), config.queue_depth)
+
+
+@dataclass
+class World:
+    """What a run trains with: its layout and the replicas on it."""
+
+    layout: Layout
+    devices: list[torch.device]  # every device the layout uses
+    targets: list[Target]  # one per layout.target_replica_devices entry
+    replicas: list[DrafterReplica]  # one per layout.replica_devices entry; replica 0 leads
+    stream: BatchStream
+    held_out: list[list[dict]]
+    shared_flex: SharedFlexAttention | None
+    choice: Choice | None  # topology "auto": what it measured and why it chose the layout
+    data_id: dict  # what identifies the training data (load_data)
+
+    def close(self) -> None:
+        """The compiled attention's discipline ends (its counters stay readable)."""
+        if self.shared_flex is not None:
+            self.shared_flex.close()
+
+    def say_compile_counters(self) -> None:
+        """The proof of the compile discipline, in the run's log (ARCHITECTURE §6; bench/cold_launches.py reads
+        it)."""
+        if self.shared_flex is None:
+            return
+        stats = self.shared_flex.stats()
+        say(f"compiled flex_attention: {stats.compiled_calls} calls, {stats.compiles_after_warmup} compiles "
+            f"after warm-up, {stats.eager_runs} eager runs, {stats.fx_traces_after_warmup} FX traces after "
+            f"warm-up, FX tracing flag {stats.fx_tracing_flag}")
+
+
+def build_world(config: TrainConfig, layout: Layout | None, devices: list[torch.device], backend: str,
+                dtype: torch.dtype) -> World:
+    """Targets, data and drafter replicas for `layout`; for topology "auto" (layout None), one of each on the
+    first device, the trial, then the rest of the chosen layout (the trial's replicas reused where it puts the
+    same role on that device)."""
+    place = (lambda names: [torch.device(n) for n in names])
+    first = [devices[0]]
+    targets = load_targets(config, place(layout.target_replica_devices) if layout else first, dtype)
+    stream, held_out, data_id = load_data(config, targets[0].tokenizer)
+    replica_devices = place(layout.replica_devices) if layout else first
+    drafters = build_drafters(config, targets[0], replica_devices)
+    shared_flex = None
+    if backend == "flex":
+        shared_flex = shared_flex_attention(config, drafters[0].config, replica_devices if layout else devices,
+                                            dtype, threads=len(replica_devices) if layout else None)
+    replicas = [DrafterReplica(d, config, backend, dtype, shared_flex) for d in drafters]
+    if layout is not None:
+        return World(layout, place(layout.devices), targets, replicas, stream, held_out, shared_flex, None, data_id)
+
+    choice = layout_trial(config, devices, targets[0], replicas[0], stream, shared_flex)
+    layout = choice.chosen.layout
+    trial_target, trial_replica, trial_device = targets[0], replicas[0], str(devices[0])
+    targets, replicas = [], []
+    for name in layout.target_replica_devices:
+        reuse = name == trial_device and trial_target not in targets
+        targets += [trial_target] if reuse else load_targets(config, [torch.device(name)], dtype)
+    for name in layout.replica_devices:
+        reuse = name == trial_device and trial_replica not in replicas
+        drafter = trial_replica.drafter if reuse else copy.deepcopy(trial_replica.drafter).to(torch.device(name))
+        replicas.append(trial_replica if reuse else DrafterReplica(drafter, config, backend, dtype, shared_flex))
+    del trial_target, trial_replica
+    gc.collect()
+    if devices[0].type == "cuda":
+        torch.cuda.empty_cache()  # a trial replica the layout does not keep
+    if shared_flex is not None:
+        shared_flex.expect_threads(len(replicas))
+    return World(layout, place(layout.devices), targets, replicas, stream, held_out, shared_flex, choice, data_id)
