@@ -43,7 +43,7 @@ class LaunchOptions:
     retry_delay: float = 10.0  # seconds before a retry; doubled for each attempt in a row that failed before a step
     task: LaunchTask | None = None  # None: the resumed run's task, else train
     env: list[str] = field(default_factory=list)  # KEY=VALUE: environment for the trainer (--env)
-    node: NodeRole | None = None  # one node of a multi-node run (gpuctl/cluster.py); None: a run of its own
+    node: NodeRole | None = None  # one node of a multi-node run (gpuctl.commands.nodes); None: a run of its own
 
 
 # torch.distributed's env:// variables: gpuctl sets them for a multi-node run, --env may not.

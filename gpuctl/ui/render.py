@@ -309,7 +309,7 @@ def doctor_report(out: Output, report: DoctorReport, as_json: bool, to_stderr: b
         console.print(line, soft_wrap=True)
 
 
-# multi-node runs (gpuctl/cluster.py) ------------------------------------------------------------------------
+# multi-node runs (gpuctl.commands.nodes) -------------------------------------------------------------------
 
 def _state_label(state: State | None, reason: str | None) -> Text:
     if state is None:
