@@ -7,9 +7,10 @@ import re
 import jinja2
 import pytest
 
-from gpuctl import commands, paths, scripts, ssh, target
+from gpuctl import commands, paths, target
 from gpuctl.errors import ExitCode, GpuctlError
-from gpuctl.protocol import (
+from gpuctl.remote import scripts, ssh
+from gpuctl.remote.protocol import (
     LAUNCH_WAITING,
     FollowStart,
     KillReply,

@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
-from gpuctl import doctor, requirements
+from gpuctl import requirements
+from gpuctl.commands import doctor
 from gpuctl.errors import GpuctlError
-from gpuctl.protocol import DoctorReply, Probe, section
+from gpuctl.remote.protocol import DoctorReply, Probe, section
 from tests.cli.conftest import REPO
 
 try:

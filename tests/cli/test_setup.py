@@ -12,7 +12,9 @@ import time
 
 import pytest
 
-from gpuctl import doctor, requirements, scripts
+from gpuctl import requirements
+from gpuctl.commands import doctor
+from gpuctl.remote import scripts
 from gpuctl.requirements import TORCH_CUDA_BUILDS
 from tests.cli.conftest import REPO, Gpuctl
 from tests.sandbox.wheels import build_wheel

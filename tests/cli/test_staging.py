@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from tenacity import retry, stop_after_delay, wait_fixed
 
-from gpuctl import cli, render
+from gpuctl import cli
+from gpuctl.ui import render
 from tests.cli.conftest import REPO, Gpuctl
 
 pytestmark = pytest.mark.sshd

@@ -10,26 +10,19 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gpuctl import scripts, ssh
-from gpuctl.commands import (
-    Gpu,
-    LaunchResult,
-    Notify,
-    Tracker,
-    check_python,
-    connected,
-    detached_values,
-    parse_gpus,
-    start_detached,
-    wrapper_file,
-)
-from gpuctl.container import INTERPRETER_FILE, RECORDS_DIR, STAGE_DIR, Container
+from gpuctl.commands import detached
+from gpuctl.commands.detached import LaunchResult
+from gpuctl.commands.options import check_python
+from gpuctl.commands.session import Notify, Progress, connected
+from gpuctl.commands.status import Gpu, parse_gpus
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
-from gpuctl.protocol import DoctorReply, LaunchReply
+from gpuctl.remote import scripts, ssh
+from gpuctl.remote.container import INTERPRETER_FILE, STAGE_DIR, Container
+from gpuctl.remote.protocol import DoctorReply, LaunchReply
+from gpuctl.remote.ssh import ConnectionLost
 from gpuctl.requirements import (
     TORCH_CUDA_BUILDS,
     TORCH_INDEX,
@@ -40,7 +33,6 @@ from gpuctl.requirements import (
     release,
     torch_index,
 )
-from gpuctl.ssh import ConnectionLost
 from gpuctl.staging import Package, PackageFile, build_package, file_from_bytes
 from gpuctl.target import Target
 
@@ -109,8 +101,9 @@ def examine(ct: Container, python: str | None) -> DoctorReport:
     checks = [Check("host", OK, f"{ct.session.endpoint.describe()}: reachable, key accepted")]
     required = read_requirements()
     try:
-        result = ct.run("doctor", python=python or "", interpreter_file=INTERPRETER_FILE, stage_dir=STAGE_DIR,
-                        modules=json.dumps({r.name: r.module for r in required}), probe_timeout_s=PROBE_TIMEOUT_S)
+        reply = ct.call("doctor", DoctorReply, "doctor", python=python or "", interpreter_file=INTERPRETER_FILE,
+                        stage_dir=STAGE_DIR, modules=json.dumps({r.name: r.module for r in required}),
+                        probe_timeout_s=PROBE_TIMEOUT_S)
     except ConnectionLost:
         raise
     except GpuctlError as e:
@@ -122,9 +115,6 @@ def examine(ct: Container, python: str | None) -> DoctorReport:
         else:
             raise
         return DoctorReport(ct.ctid, ct.host, checks, error=str(e), code=e.code)
-    if result.rc != 0:
-        raise ct.failure(result, "doctor")
-    reply = DoctorReply.parse(result.stdout)
     checks += [Check("pct", OK, "present"), Check("container", OK, f"CT {ct.ctid} running")]
     checks += evaluate(reply, required)
     code = ExitCode.ENV_NOT_READY if any(c.status == FAIL for c in checks) else ExitCode.OK
@@ -350,7 +340,7 @@ def check_setup_options(opts: SetupOptions) -> SetupOptions:
 def _setup_values(target: Target, opts: SetupOptions) -> dict[str, Any]:
     fields = {"venv": opts.venv, "torch": opts.torch, "index_urls": opts.index_urls,
               "system_site_packages": opts.system_site_packages, "workdir": "/"}
-    return detached_values(target, "setup", fields, python=opts.python, use_recorded_python=False,
+    return detached.values(target, "setup", fields, python=opts.python, use_recorded_python=False,
                            log_dir=SETUP_LOG_DIR, workdir=SETUP_LOG_DIR, keep_compile_cache=True, replacing=False)
 
 
@@ -372,7 +362,7 @@ def setup_script(opts: SetupOptions, python: str) -> str:
 def _setup_package(opts: SetupOptions, python: str, remote: dict[str, str]) -> Package:
     """The trainer and setup.sh; the container's run.sh and configs stay as they are (a later --resume needs them)."""
     package = build_package().with_files([file_from_bytes("setup.sh", setup_script(opts, python).encode(), 0o755),
-                                          wrapper_file()])
+                                          detached.wrapper_file()])
     kept = [PackageFile(name, digest, None) for name, digest in remote.items()
             if name not in package.files and (name == "run.sh" or name.startswith("configs/"))]
     return package.with_files(kept)
@@ -380,19 +370,17 @@ def _setup_package(opts: SetupOptions, python: str, remote: dict[str, str]) -> P
 
 def plan_setup(target: Target, opts: SetupOptions) -> str:
     """What `setup --dry-run` shows: the command, the launch script, and the setup script it would start."""
-    command = scripts.render("pct_exec", ctid=target.ct).strip()
-    launch = scripts.render("launch.sh", records_dir=RECORDS_DIR, **_setup_values(target, opts))
-    return (f"# on {target.host}: {command}   (script on stdin)\n{launch}\n"
+    return (detached.shown(target, _setup_values(target, opts)) +
             f"# then, staged with the trainer and started detached (its log: {SETUP_LOG_DIR}/setup_tlN.log), "
             f"{STAGE_DIR}/setup.sh:\n{setup_script(opts, opts.python or 'python3')}")
 
 
 def setup(ct: Container, target: Target, opts: SetupOptions, notify: Notify,
-          progress: Callable[[int], Tracker] | None = None) -> LaunchResult:
+          progress: Progress | None = None) -> LaunchResult:
     """Start the installation detached, like a training run (the launch lock, a numbered log, a record with
     task "setup"); the caller follows its log, then checks (examine)."""
 
     def package(report: LaunchReply) -> Package:
         return _setup_package(opts, report.python or "python3", report.manifest)
 
-    return start_detached(ct, _setup_values(target, opts), package, "setup", False, notify, progress)
+    return detached.start(ct, _setup_values(target, opts), package, "setup", False, notify, progress)

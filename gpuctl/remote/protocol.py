@@ -271,7 +271,7 @@ class Probe:
 
 @dataclass(frozen=True)
 class DoctorReply:
-    """What doctor.sh found in the container; gpuctl/doctor.py makes the checks of it."""
+    """What doctor.sh found in the container; gpuctl.commands.doctor makes the checks of it."""
 
     python: str  # the interpreter it checked
     python_from: str  # "option" (--python), "recorded" (gpuctl setup's), "default" (python3)

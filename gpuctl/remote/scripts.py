@@ -14,7 +14,7 @@ from typing import Any
 import jinja2
 
 from gpuctl import paths
-from gpuctl.protocol import ScriptExit
+from gpuctl.remote.protocol import ScriptExit
 
 
 def shquote(value: Any) -> str:

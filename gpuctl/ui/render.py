@@ -5,56 +5,30 @@ With --json, stdout carries exactly one JSON document and human messages go to s
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any
 
-from rich.console import Console, Group, RenderableType
+from rich.console import Group, RenderableType
 from rich.live import Live
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 from rich.table import Table
 from rich.text import Text
 
-from gpuctl.cluster import ClusterLaunch, ClusterRun, ClusterStatus, combined_state
-from gpuctl.commands import KillResult, LaunchResult, PullResult, StatusReport
-from gpuctl.doctor import DoctorReport
+from gpuctl.commands.detached import LaunchResult
+from gpuctl.commands.doctor import DoctorReport
+from gpuctl.commands.kill import Killed, KillResult
+from gpuctl.commands.nodes import ClusterLaunch, ClusterRun, ClusterRuns, ClusterStatus, combined_state
+from gpuctl.commands.pull import PullResult
+from gpuctl.commands.status import ContainerRuns, StatusReport
 from gpuctl.runs import Run, State
+from gpuctl.ui.output import Output
 
 SPARK = "▁▂▃▄▅▆▇█"
 PROGRESS_AFTER_S = 0.5  # a transfer shows a progress bar only once it has taken this long
 CHECK_STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red"}
 STATE_STYLE = {State.STARTING: "yellow", State.RUNNING: "green", State.SUCCEEDED: "bold green",
                State.FAILED: "bold red", State.KILLED: "magenta", State.LOST: "red", State.RETRYING: "yellow"}
-
-
-def _console(stderr: bool) -> Console:
-    """Rich honours NO_COLOR (and FORCE_COLOR, TTY_INTERACTIVE) from the environment by itself."""
-    stream = sys.stderr if stderr else sys.stdout
-    # Not a terminal: wide enough that long paths are not wrapped into a pipe.
-    return Console(file=stream, stderr=stderr, width=None if stream.isatty() else 160, highlight=False)
-
-
-def message(text: str) -> None:
-    """A human message: always on stderr."""
-    _console(stderr=True).print(Text(f"gpuctl: {text}"))
-
-
-def error(text: str) -> None:
-    _console(stderr=True).print(Text(f"gpuctl: error: {text}", style="bold red"), soft_wrap=True)
-
-
-def json_doc(doc: Any) -> None:
-    sys.stdout.write(json.dumps(doc, indent=2) + "\n")
-    sys.stdout.flush()
-
-
-def write_bytes(data: bytes) -> None:
-    """The log's own bytes, untouched, on stdout."""
-    sys.stdout.buffer.write(data)
-    sys.stdout.buffer.flush()
 
 
 def duration(seconds: float | None) -> str:
@@ -191,17 +165,17 @@ def status_renderable(report: StatusReport | ClusterStatus) -> RenderableType:
     return Group(*parts)
 
 
-def status_report(report: StatusReport | ClusterStatus, as_json: bool) -> None:
+def status_report(out: Output, report: StatusReport | ClusterStatus, as_json: bool) -> None:
     if as_json:
-        json_doc(report.to_json())
+        out.json_doc(report.to_json())
     else:
-        _console(stderr=False).print(status_renderable(report))
+        out.show(status_renderable(report))
 
 
-def watch_status(fetch: Callable[[], RenderableType], interval: float) -> None:
+def watch_status(out: Output, fetch: Callable[[], RenderableType], interval: float) -> None:
     """Refresh the status (fetch() draws it) in place every `interval` seconds until Ctrl-C (KeyboardInterrupt
     goes to the caller)."""
-    console = _console(stderr=False)
+    console = out.console(stderr=False)
     with Live(console=console, auto_refresh=False, redirect_stderr=False) as live:
         while True:
             shown = fetch()
@@ -215,8 +189,8 @@ class TransferProgress:
     """A progress bar on stderr for a transfer that takes longer than a moment (never for a short one, never
     when stderr is not a terminal)."""
 
-    def __init__(self, total: int, description: str):
-        self.total, self.description, self.done = total, description, 0
+    def __init__(self, out: Output, total: int, description: str):
+        self.out, self.total, self.description, self.done = out, total, description, 0
         self.started = time.monotonic()
         self._bar: Progress | None = None
         self._task = None
@@ -224,7 +198,7 @@ class TransferProgress:
     def __call__(self, sent: int) -> None:
         self.done += sent
         if self._bar is None and time.monotonic() - self.started >= PROGRESS_AFTER_S:
-            console = _console(stderr=True)
+            console = self.out.console(stderr=True)
             if not console.is_terminal:
                 return
             self._bar = Progress("{task.description}", BarColumn(), DownloadColumn(binary_units=True),
@@ -240,13 +214,13 @@ class TransferProgress:
             self._bar.stop()
 
 
-def runs_table(runs: list[Run], ctid: int, host: str, as_json: bool) -> None:
+def runs_table(out: Output, runs: list[Run], ctid: int, host: str, as_json: bool) -> None:
     if as_json:
-        json_doc([dict(r.to_json(), container={"ctid": ctid, "status": "running", "host": host}) for r in runs])
+        out.json_doc([dict(r.to_json(), container={"ctid": ctid, "status": "running", "host": host}) for r in runs])
         return
-    out = _console(stderr=False)
+    console = out.console(stderr=False)
     if not runs:
-        out.print(f"no runs in CT {ctid} yet")
+        console.print(f"no runs in CT {ctid} yet")
         return
     table = Table(box=None, pad_edge=False)
     for name in ("run", "task", "state", "exit", "started", "duration", "log", "size"):
@@ -255,54 +229,54 @@ def runs_table(runs: list[Run], ctid: int, host: str, as_json: bool) -> None:
         exit_code = "-" if run.exit_code is None else str(run.exit_code)
         table.add_row(run.run_id, run.task, state_text(run), exit_code, local_time(run.started_at),
                       duration(run.elapsed_s), run.log_path or "-", size(run.log_size))
-    out.print(table)
+    console.print(table)
 
 
-def launch_result(result: LaunchResult, as_json: bool, to_stderr: bool, show_tail: bool) -> None:
+def launch_result(out: Output, result: LaunchResult, as_json: bool, to_stderr: bool, show_tail: bool) -> None:
     run = result.run
     if as_json:
-        json_doc(dict(run.to_json(), staging=result.staging_json()))
-    out = _console(stderr=to_stderr or as_json)  # with --json, the human lines go to stderr
+        out.json_doc(dict(run.to_json(), staging=result.staging_json()))
+    console = out.console(stderr=to_stderr or as_json)  # with --json, the human lines go to stderr
     resumed = f", resuming tl{result.resumed_from}" if result.resumed_from else ""
     task = {"train": "", "setup": "gpuctl setup, "}.get(run.task, f"task {run.task}, ")
-    out.print(Text.assemble("started ", (run.run_id, "bold"), f" ({task}pid {run.record.get('pid')}, "
+    console.print(Text.assemble("started ", (run.run_id, "bold"), f" ({task}pid {run.record.get('pid')}, "
                             f"process group {run.record.get('pgid')}{resumed}): ", state_text(run)))
     plan = result.plan
     changed = len(plan.changed)
     sent = (f"sent {changed} changed file{'s' * (changed != 1)}, {size(result.sent_file_bytes)}" if changed
             else "unchanged, nothing sent")
-    out.print(Text(f"log: {run.log_path}   (package: {len(result.package.files)} files, "
+    console.print(Text(f"log: {run.log_path}   (package: {len(result.package.files)} files, "
                    f"{size(result.package.size)}; {sent})"))
     if result.python_from == "recorded":
-        out.print(Text(f"python: {result.python} (made by gpuctl setup)"))
+        console.print(Text(f"python: {result.python} (made by gpuctl setup)"))
     if result.tail and show_tail:
-        message(f"{run.run_id} ended during its start ({run.state.value}, exit {run.exit_code}); the log's end:")
-        sys.stderr.write(result.tail.decode(errors="replace").rstrip("\n") + "\n")
+        out.message(f"{run.run_id} ended during its start ({run.state.value}, exit {run.exit_code}); the log's end:")
+        out.log_tail(result.tail)
     if run.record.get("retried_as"):
-        message(f"{run.run_id} failed; --retry: attempt 2 is tl{run.record['retried_as']} (gpuctl status shows it)")
+        out.message(f"{run.run_id} failed; --retry: attempt 2 is tl{run.record['retried_as']} (gpuctl status shows it)")
 
 
-def kill_result(result: KillResult, where: str = "") -> None:
+def kill_result(out: Output, result: KillResult, where: str = "") -> None:
     """where: a multi-node run's node ("node 1 (CT 201 on pve2)")."""
     prefix = f"{where}: " if where else ""
     if result.run is None:
-        message(f"{prefix}no runs in this container; nothing to kill")
+        out.message(f"{prefix}no runs in this container; nothing to kill")
     elif not result.signalled:
-        message(f"{prefix}{result.run.run_id} is not running ({result.run.state.value}); nothing to kill")
+        out.message(f"{prefix}{result.run.run_id} is not running ({result.run.state.value}); nothing to kill")
     else:
         how = " (SIGKILL after the grace period)" if result.escalated else ""
-        _console(stderr=False).print(Text(
+        out.show(Text(
             f"{prefix}killed {result.run.run_id}{how} in {result.seconds:.1f} s; none of its processes is left "
             f"(state {result.run.state.value}, exit {result.run.exit_code})"))
 
 
-def run_ended(run: Run) -> None:
-    message(f"{run.run_id} ended: {run.state.value}, exit {run.exit_code}")
+def run_ended(out: Output, run: Run) -> None:
+    out.message(f"{run.run_id} ended: {run.state.value}, exit {run.exit_code}")
 
 
-def pull_result(result: PullResult, as_json: bool) -> None:
+def pull_result(out: Output, result: PullResult, as_json: bool) -> None:
     if as_json:
-        json_doc(result.to_json())
+        out.json_doc(result.to_json())
         return
     o = result.outcome
     count = len(o.files)
@@ -312,30 +286,30 @@ def pull_result(result: PullResult, as_json: bool) -> None:
         parts.append(f"{size(o.resumed)} resumed from an earlier pull")
     if o.skipped:
         parts.append(f"{size(o.skipped)} already there")
-    _console(stderr=False).print(Text(
+    out.show(Text(
         f"pulled {result.run.run_id}'s {result.what.value} ({count} file{'s' * (count != 1)}, {size(o.total)}"
         f"{made}) to {result.dest}: {', '.join(parts)}; every file's sha256 matches the container's"))
 
 
-def doctor_report(report: DoctorReport, as_json: bool, to_stderr: bool = False) -> None:
+def doctor_report(out: Output, report: DoctorReport, as_json: bool, to_stderr: bool = False) -> None:
     """A line per check: ok, warn or fail, the check, what was found, and for a problem the fix. When the checks
     stopped at the host or the container (report.error), the caller's one error line says it all."""
     if as_json:
-        json_doc(report.to_json())
+        out.json_doc(report.to_json())
         return
     if report.error:
         return
-    out = _console(stderr=to_stderr)
+    console = out.console(stderr=to_stderr)
     width = max(len(c.name) for c in report.checks)
     for check in report.checks:
         line = Text.assemble((f"{check.status:<4}", CHECK_STYLE[check.status]), f"  {check.name:<{width}}  ",
                              check.detail)
         if check.fix:
             line.append(f"; fix: {check.fix}", style="bold" if check.status == "fail" else "")
-        out.print(line, soft_wrap=True)
+        console.print(line, soft_wrap=True)
 
 
-# multi-node runs (gpuctl/cluster.py) ------------------------------------------------------------------------
+# multi-node runs (gpuctl.commands.nodes) -------------------------------------------------------------------
 
 def _state_label(state: State | None, reason: str | None) -> Text:
     if state is None:
@@ -350,28 +324,28 @@ def _gpus_text(gpus: list) -> str:
     return f"{len(gpus)}" + (f" ({sum(util) / len(util):.0f}% util)" if util else "")
 
 
-def cluster_launch(result: ClusterLaunch, as_json: bool, to_stderr: bool) -> None:
+def cluster_launch(out: Output, result: ClusterLaunch, as_json: bool, to_stderr: bool) -> None:
     first = result.results[0].run
     if as_json:
         states = [(node, r.run, None) for node, r in zip(result.nodes, result.results)]
         state, reason = combined_state(states)
-        json_doc(dict(first.to_json(), state=state.value if state else None, reason=reason,
+        out.json_doc(dict(first.to_json(), state=state.value if state else None, reason=reason,
                       master_addr=result.master_addr, master_port=result.master_port, world_size=len(result.nodes),
                       staging=result.results[0].staging_json(),
                       nodes=[dict(r.run.to_json(), node=node.index, target=node.target.spec(),
                                   staging=r.staging_json()) for node, r in zip(result.nodes, result.results)]))
-    out = _console(stderr=to_stderr or as_json)
+    console = out.console(stderr=to_stderr or as_json)
     resumed = result.results[0].resumed_from
-    out.print(Text.assemble("started ", (result.run_id, "bold"), f" on {len(result.nodes)} nodes (master "
+    console.print(Text.assemble("started ", (result.run_id, "bold"), f" on {len(result.nodes)} nodes (master "
                             f"{result.master_addr}:{result.master_port}{f', resuming tl{resumed}' if resumed else ''})"))
     for node, launched in zip(result.nodes, result.results):
         run = launched.run
-        out.print(Text.assemble(f"  node {node.index}: {node.target.describe()}: pid {run.record.get('pid')}, "
+        console.print(Text.assemble(f"  node {node.index}: {node.target.describe()}: pid {run.record.get('pid')}, "
                                 f"log {run.log_path}: ", state_text(run)))
         if launched.tail:
-            message(f"node {node.index}: {run.run_id} ended during its start ({run.state.value}, exit "
+            out.message(f"node {node.index}: {run.run_id} ended during its start ({run.state.value}, exit "
                     f"{run.exit_code}); the log's end:")
-            sys.stderr.write(launched.tail.decode(errors="replace").rstrip("\n") + "\n")
+            out.log_tail(launched.tail)
 
 
 def cluster_status_renderable(report: ClusterStatus) -> RenderableType:
@@ -393,14 +367,13 @@ def cluster_status_renderable(report: ClusterStatus) -> RenderableType:
     return Group(*parts)
 
 
-
-def cluster_runs(runs: list[ClusterRun], as_json: bool) -> None:
+def cluster_runs(out: Output, runs: list[ClusterRun], as_json: bool) -> None:
     if as_json:
-        json_doc([run.to_json() for run in runs])
+        out.json_doc([run.to_json() for run in runs])
         return
-    out = _console(stderr=False)
+    console = out.console(stderr=False)
     if not runs:
-        out.print("no runs on these nodes yet")
+        console.print("no runs on these nodes yet")
         return
     table = Table(box=None, pad_edge=False)
     for name in ("run", "task", "state", "started", "duration", "nodes"):
@@ -411,4 +384,26 @@ def cluster_runs(runs: list[ClusterRun], as_json: bool) -> None:
         nodes = ", ".join(f"{node.index}: {node.target.spec()} {r.state.value}" for node, r in run.present)
         table.add_row(run.present[0][1].run_id, first.task, _state_label(state, reason), local_time(first.started_at),
                       duration(first.elapsed_s), nodes)
-    out.print(table)
+    console.print(table)
+
+
+# one call whatever the scope (gpuctl.commands.scope): the result's type says how it is shown -----------------
+
+def launched(out: Output, result: LaunchResult | ClusterLaunch, as_json: bool, to_stderr: bool,
+             show_tail: bool) -> None:
+    if isinstance(result, ClusterLaunch):
+        cluster_launch(out, result, as_json=as_json, to_stderr=to_stderr)
+    else:
+        launch_result(out, result, as_json=as_json, to_stderr=to_stderr, show_tail=show_tail)
+
+
+def runs(out: Output, found: ContainerRuns | ClusterRuns, as_json: bool) -> None:
+    if isinstance(found, ClusterRuns):
+        cluster_runs(out, found.runs, as_json=as_json)
+    else:
+        runs_table(out, found.runs, found.ctid, found.host, as_json=as_json)
+
+
+def killed(out: Output, done: Killed) -> None:
+    for where, result in done.results:
+        kill_result(out, result, where)

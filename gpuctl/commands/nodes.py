@@ -1,7 +1,7 @@
-"""One run across several containers (nodes), on one or several hosts (ARCHITECTURE §8): the node set, the
-all-or-nothing launch, and status, kill and runs over every node. No Typer, no Rich, like gpuctl.commands, on
-which it stands: each node is an ordinary Container with its own SSH connection, and each node's run an ordinary
-run of that container (its wrapper, process group and record), so every single-node command stays exact on it.
+"""One run across several containers (nodes), on one or several hosts (ARCHITECTURE §8): the all-or-nothing
+launch, and status, kill and runs over every node. No Typer, no Rich: each node is an ordinary Container with
+its own SSH connection (gpuctl.commands.fanout), and each node's run an ordinary run of that container (its
+wrapper, process group and record), so every single-node command stays exact on it.
 
 Node k's trainer is told RANK=k, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (torch.distributed's env://), beside
 the user's --env; node 0 is the first node given.
@@ -9,112 +9,29 @@ the user's --env; node 0 is the first node given.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-from gpuctl import commands, ssh
-from gpuctl.commands import (
-    KillResult,
-    LaunchOptions,
-    LaunchResult,
-    LaunchTask,
-    NodeRole,
-    Notify,
-    PendingLaunch,
-    StatusReport,
-)
-from gpuctl.container import Container
+from gpuctl.commands import detached
+from gpuctl.commands.detached import LaunchResult, PendingStart
+from gpuctl.commands.fanout import Node, first_problem, on_each, on_nodes, settled
+from gpuctl.commands.kill import Killed, KillResult
+from gpuctl.commands.kill import kill as kill_run
+from gpuctl.commands.launch import launch_package, launch_values
+from gpuctl.commands.launch import plan_launch as plan_one
+from gpuctl.commands.options import LaunchOptions, LaunchTask, NodeRole, completed
+from gpuctl.commands.resume import resuming
+from gpuctl.commands.session import Notify
+from gpuctl.commands.status import StatusReport
+from gpuctl.commands.status import list_runs as list_one
+from gpuctl.commands.status import status as status_one
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
 from gpuctl.runs import Run, State
 from gpuctl.target import Target
 
 DEFAULT_MASTER_PORT = 29500
 UNDO_GRACE_S = 10.0  # a launch that failed on one node: how long the runs it started elsewhere get to stop
-T = TypeVar("T")
-U = TypeVar("U")
-
-
-@dataclass
-class Node:
-    """One node of the set: its index (its RANK), its target, and its connection, or why there is none."""
-
-    index: int
-    target: Target
-    ct: Container | None = None
-    error: GpuctlError | None = None
-
-    def describe(self) -> str:
-        return f"node {self.index} ({self.target.describe()})"
-
-    def failed(self, error: GpuctlError) -> GpuctlError:
-        """The error, saying which node it happened on."""
-        return GpuctlError(f"{self.describe()}: {error}", error.code)
-
-
-def on_each(items: Sequence[T], action: Callable[[T], U],
-            interrupted: Callable[[], None] | None = None) -> list[U | BaseException]:
-    """action on every item at once (a thread each: one SSH session per node); its result or what it raised.
-    Interrupted (Ctrl-C), it calls `interrupted` at once, then still waits for every item's action to end before
-    the interrupt goes on (a second Ctrl-C stops that wait)."""
-    if not items:
-        return []
-
-    def attempt(item: T) -> U | BaseException:
-        try:
-            return action(item)
-        except Exception as e:  # noqa: BLE001 - handed back: the caller decides once every node has answered
-            return e
-
-    with ThreadPoolExecutor(max_workers=len(items)) as pool:  # its end waits for every thread
-        try:
-            return list(pool.map(attempt, items))
-        except BaseException:
-            if interrupted:
-                interrupted()
-            raise
-
-
-@contextmanager
-def connected(targets: Sequence[Target], stats: ssh.Stats | None = None) -> Iterator[list[Node]]:
-    """A connection to every node at once; a node that cannot be reached has its error instead. Node 0's
-    connection counts into `stats` (GPUCTL_TRACE)."""
-    nodes = [Node(i, t) for i, t in enumerate(targets)]
-
-    def connect(node: Node) -> Container:
-        return Container(session=ssh.connect(node.target, stats if node.index == 0 else None), target=node.target)
-
-    for node, outcome in zip(nodes, on_each(nodes, connect)):
-        if isinstance(outcome, Container):
-            node.ct = outcome
-        elif isinstance(outcome, GpuctlError):
-            node.error = outcome
-        else:
-            _close(nodes)
-            raise outcome
-    try:
-        yield nodes
-    finally:
-        _close(nodes)
-
-
-def _close(nodes: list[Node]) -> None:
-    for node in nodes:
-        if node.ct:
-            node.ct.session.close()
-
-
-def _first_problem(nodes: list[Node], outcomes: list[Any]) -> BaseException | None:
-    """The first node's error (node order), said with its node; a bug of ours as it was."""
-    for node, outcome in zip(nodes, outcomes):
-        if isinstance(outcome, GpuctlError):
-            return node.failed(outcome)
-        if isinstance(outcome, BaseException):
-            return outcome
-    return None
 
 
 # launch ---------------------------------------------------------------------------------------------------
@@ -131,11 +48,16 @@ class ClusterLaunch:
     def run_id(self) -> str:
         return f"tl{self.number}"
 
+    @property
+    def failed(self) -> bool:
+        """Some node's run ended during its start (its trainer failed, was killed or lost)."""
+        return any(r.run.state in (State.FAILED, State.KILLED, State.LOST) for r in self.results)
+
 
 def check_cluster_options(targets: list[Target], opts: LaunchOptions, master_addr: str | None,
                           master_port: int) -> None:
-    """A multi-node launch's options, checked before any connection (and what it cannot do yet)."""
-    commands.check_launch_options(opts)
+    """What a multi-node launch adds to a launch's checks (check_launch_options), before any connection (and
+    what it cannot do yet)."""
     check_master_addr(master_addr)
     check_master_port(master_port)
     if len(targets) < 2:
@@ -160,48 +82,16 @@ def check_master_addr(addr: str | None) -> None:
 
 def launch(nodes: list[Node], opts: LaunchOptions, master_addr: str | None, master_port: int,
            notify: Notify) -> ClusterLaunch:
-    """One run on every node, all or nothing: every node's launch lock is taken and its state read (in parallel)
-    before any node is told to start; a node that refuses (unreachable, container stopped, locked, an active run)
-    makes every other give its lock back with nothing started. The run number is the next one free on every
-    node. Should a node fail to start after that, or the launch be interrupted (Ctrl-C) while the nodes start, the
-    runs started are killed. With --resume, every node continues its own run of one number (0: the latest, which
-    must be the same run everywhere)."""
-    commands.check_launch_options(opts)
-    check_master_addr(master_addr)
-    check_master_port(master_port)
+    """One run on every node, all or nothing, with checked options: every node's launch lock is taken and its
+    state read (in parallel) before any node is told to start; a node that refuses (unreachable, container
+    stopped, locked, an active run) makes every other give its lock back with nothing started. The run number is
+    the next one free on every node. Should a node fail to start after that, or the launch be interrupted
+    (Ctrl-C) while the nodes start, the runs started are killed. With --resume, every node continues its own run
+    of one number (0: the latest, which must be the same run everywhere)."""
     specs = tuple(node.target.spec() for node in nodes)
     roles = [NodeRole(rank=node.index, nodes=specs, master_port=master_port, master_addr=master_addr)
              for node in nodes]
-
-    def say(node: Node) -> Notify:
-        return lambda text: notify(f"node {node.index}: {text}")
-
-    checked: list[tuple[LaunchOptions, Path | None]] = [(opts, None)] * len(nodes)  # each node's, resumed
-
-    def begin(node: Node) -> PendingLaunch:
-        if node.error:
-            raise node.error
-        checked[node.index] = commands.check_launch_options(commands.resuming(node.ct, opts))
-        node_opts = replace(checked[node.index][0], node=roles[node.index])
-        return commands.begin_launch(node.ct, commands.launch_values(node.target, node_opts), node_opts.task.value,
-                                     say(node))
-
-    outcomes = on_each(nodes, begin)
-    pending = [p for p in outcomes if isinstance(p, PendingLaunch)]
-    problem = _first_problem(nodes, outcomes)
-    resumed = {node_opts.resume for node_opts, _ in checked}
-    if problem is None and len(resumed) > 1:
-        runs = ", ".join(f"node {k} tl{node_opts.resume}" for k, (node_opts, _) in enumerate(checked))
-        problem = usage_error(f"--resume: the nodes' latest runs differ ({runs}): pass --resume N")
-    if problem is None and not opts.replace:
-        busy = [(node, p) for node, p in zip(nodes, pending) if p.report.active]
-        problem = busy[0][0].failed(commands.active_conflict(busy[0][1])) if busy else None
-    if problem is not None:
-        on_each(pending, PendingLaunch.abort)  # every lock goes; nothing was started anywhere
-        if isinstance(problem, GpuctlError):
-            raise GpuctlError(f"{problem}; nothing was started on any node", problem.code)
-        raise problem
-
+    pending, checked = _begin_every(nodes, opts, roles, notify)
     number = max(p.report.last_number or 0 for p in pending) + 1
     addr = master_addr or pending[0].report.address
     if not addr:
@@ -213,25 +103,56 @@ def launch(nodes: list[Node], opts: LaunchOptions, master_addr: str | None, mast
     def start(node: Node) -> LaunchResult:
         node_opts, config_file = checked[node.index]
         node_opts = replace(node_opts, node=roles[node.index])
-        result = commands.finish_launch(pending[node.index], commands.launch_package(node_opts, config_file),
-                                        opts.replace, say(node), number=number)
+        result = pending[node.index].finish(launch_package(node_opts, config_file), opts.replace,
+                                            node.say(notify), number=number)
         return replace(result, resumed_from=node_opts.resume)
 
     def interrupted() -> None:
         notify(f"interrupted: waiting for every node's start to end, then killing tl{number} on every node")
 
     try:
-        outcomes = on_each(nodes, start, interrupted)
+        outcomes = on_nodes(nodes, start, interrupted)
     except BaseException:  # Ctrl-C while the nodes start: all or nothing still (on_each waited for every start)
         _undo(nodes, number, notify)
         raise
-    problem = _first_problem(nodes, outcomes)
+    problem = first_problem(outcomes)
     if problem is not None:
         _undo(nodes, number, notify)
         if isinstance(problem, GpuctlError):
             raise GpuctlError(f"{problem}; the run was killed on the nodes where it had started", problem.code)
         raise problem
-    return ClusterLaunch(number=number, master_addr=addr, master_port=master_port, nodes=nodes, results=outcomes)
+    return ClusterLaunch(number=number, master_addr=addr, master_port=master_port, nodes=nodes,
+                         results=[o.value for o in outcomes])
+
+
+def _begin_every(nodes: list[Node], opts: LaunchOptions, roles: list[NodeRole],
+                 notify: Notify) -> tuple[list[PendingStart], list[tuple[LaunchOptions, Path | None]]]:
+    """Every node under its launch lock, its report read; or, should any refuse, every lock given back and the
+    first refusal raised. Each node's options, its --resume's read in its own thread."""
+    checked: list[tuple[LaunchOptions, Path | None]] = [(opts, None)] * len(nodes)
+
+    def begin(node: Node) -> PendingStart:
+        checked[node.index] = completed(resuming(node.ct, opts))
+        node_opts = replace(checked[node.index][0], node=roles[node.index])
+        return detached.begin(node.ct, launch_values(node.target, node_opts), node_opts.task.value,
+                              node.say(notify))
+
+    outcomes = on_nodes(nodes, begin)
+    pending = [o.value for o in outcomes if o.error is None]
+    problem = first_problem(outcomes)
+    resumed = {node_opts.resume for node_opts, _ in checked}
+    if problem is None and len(resumed) > 1:
+        runs = ", ".join(f"node {k} tl{node_opts.resume}" for k, (node_opts, _) in enumerate(checked))
+        problem = usage_error(f"--resume: the nodes' latest runs differ ({runs}): pass --resume N")
+    if problem is None and not opts.replace:
+        busy = [(node, p) for node, p in zip(nodes, pending) if p.report.active]
+        problem = busy[0][0].failed(busy[0][1].conflict()) if busy else None
+    if problem is not None:
+        on_each(pending, PendingStart.abort)  # every lock goes; nothing was started anywhere
+        if isinstance(problem, GpuctlError):
+            raise GpuctlError(f"{problem}; nothing was started on any node", problem.code)
+        raise problem
+    return pending, checked
 
 
 def _undo(nodes: list[Node], number: int, notify: Notify) -> None:
@@ -239,7 +160,7 @@ def _undo(nodes: list[Node], number: int, notify: Notify) -> None:
 
     def undo(node: Node) -> None:
         try:
-            commands.kill(node.ct, number, "TERM", UNDO_GRACE_S, notify=lambda _: None)
+            kill_run(node.ct, number, "TERM", UNDO_GRACE_S, notify=lambda _: None)
         except GpuctlError as e:
             if e.code != ExitCode.USAGE:  # USAGE: no run tlN there, it never started
                 notify(f"{node.describe()}: could not kill tl{number}: {e}")
@@ -386,49 +307,21 @@ class ClusterStatus:
 
 
 def status(nodes: list[Node], number: int) -> ClusterStatus:
-    def read(node: Node) -> StatusReport:
-        if node.error:
-            raise node.error
-        return commands.status(node.ct, number, last_line=True)
-
-    found = []
-    for node, outcome in zip(nodes, on_each(nodes, read)):
-        if isinstance(outcome, StatusReport):
-            found.append(NodeStatus(node, outcome))
-        elif isinstance(outcome, GpuctlError):
-            found.append(NodeStatus(node, None, outcome))
-        else:
-            raise outcome
-    return ClusterStatus(found, number)
+    outcomes = settled(on_nodes(nodes, lambda node: status_one(node.ct, number, last_line=True)))
+    return ClusterStatus([NodeStatus(o.node, o.value, o.error) for o in outcomes], number)
 
 
 # kill and runs --------------------------------------------------------------------------------------------
 
-@dataclass
-class NodeKill:
-    node: Node
-    result: KillResult | None
-    error: GpuctlError | None = None
-
-
-def kill(nodes: list[Node], number: int, signal_name: str, grace: float, notify: Notify) -> list[NodeKill]:
+def kill(nodes: list[Node], number: int, signal_name: str, grace: float, notify: Notify) -> Killed:
     """Kill run `number` on every node at once; a node that cannot be reached is reported, the others killed."""
 
     def end(node: Node) -> KillResult:
-        if node.error:
-            raise node.error
-        return commands.kill(node.ct, number, signal_name, grace, notify=lambda text: notify(f"node {node.index}: "
-                                                                                              f"{text}"))
+        return kill_run(node.ct, number, signal_name, grace, notify=node.say(notify))
 
-    done = []
-    for node, outcome in zip(nodes, on_each(nodes, end)):
-        if isinstance(outcome, KillResult):
-            done.append(NodeKill(node, outcome))
-        elif isinstance(outcome, GpuctlError):
-            done.append(NodeKill(node, None, node.failed(outcome)))
-        else:
-            raise outcome
-    return done
+    outcomes = settled(on_nodes(nodes, end))
+    return Killed([(o.node.describe(), o.value) for o in outcomes if o.value],
+                  [o.problem() for o in outcomes if o.error])
 
 
 @dataclass
@@ -454,36 +347,33 @@ class ClusterRun:
                            for node, run in self.present])
 
 
-def list_runs(nodes: list[Node]) -> tuple[list[ClusterRun], list[GpuctlError]]:
+@dataclass
+class ClusterRuns:
+    """`gpuctl runs` over the nodes: every run number, each with its nodes' runs; the nodes not read."""
+
+    runs: list[ClusterRun]
+    errors: list[GpuctlError]
+
+
+def list_runs(nodes: list[Node]) -> ClusterRuns:
     """Every run of every node, by run number (a multi-node run once, with its nodes); the nodes that could not
     be read."""
 
-    def read(node: Node) -> list[Run]:
-        if node.error:
-            raise node.error
-        return commands.list_runs(node.ct)
-
-    by_node: dict[int, dict[int, Run]] = {}
-    errors = []
-    for node, outcome in zip(nodes, on_each(nodes, read)):
-        if isinstance(outcome, GpuctlError):
-            errors.append(node.failed(outcome))
-        elif isinstance(outcome, BaseException):
-            raise outcome
-        else:
-            by_node[node.index] = {run.number: run for run in outcome}
+    outcomes = settled(on_nodes(nodes, lambda node: list_one(node.ct)))
+    errors = [o.problem() for o in outcomes if o.error]
+    by_node = {o.node.index: {run.number: run for run in o.value} for o in outcomes if not o.error}
     numbers = sorted({n for runs in by_node.values() for n in runs})
-    return [ClusterRun(n, [(node, by_node.get(node.index, {}).get(n)) for node in nodes]) for n in numbers], errors
+    return ClusterRuns([ClusterRun(n, [(node, by_node.get(node.index, {}).get(n)) for node in nodes])
+                        for n in numbers], errors)
 
 
 def plan_launch(targets: list[Target], opts: LaunchOptions, master_addr: str | None, master_port: int) -> str:
-    """What `launch --node ... --dry-run` shows: each node's launch, as `launch --dry-run` shows one."""
-    check_master_addr(master_addr)
-    check_master_port(master_port)
+    """What `launch --node ... --dry-run` shows (checked options): each node's launch, as `launch --dry-run`
+    shows one."""
     specs = tuple(t.spec() for t in targets)
     plans = []
     for rank, target in enumerate(targets):
         role = NodeRole(rank=rank, nodes=specs, master_port=master_port, master_addr=master_addr or "<node 0's address>")
         plans.append(f"# node {rank} of {len(targets)}: {target.describe()}\n"
-                     + commands.plan_launch(target, replace(opts, node=role)))
+                     + plan_one(target, replace(opts, node=role)))
     return "\n".join(plans)

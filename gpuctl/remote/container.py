@@ -7,14 +7,14 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from gpuctl import scripts, ssh
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
-from gpuctl.protocol import ScriptExit, stderr_messages
-from gpuctl.ssh import Completed, ConnectionLost, RemoteCommand, Session, Unreachable
+from gpuctl.remote import scripts, ssh
+from gpuctl.remote.protocol import ScriptExit, stderr_messages
+from gpuctl.remote.ssh import Completed, ConnectionLost, RemoteCommand, Session, Unreachable
 from gpuctl.target import Target
 
 RECORDS_DIR = "/workspace/.gpuctl"
@@ -23,6 +23,16 @@ STAGE_DIR = "/root/gpuctl"
 INTERPRETER_FILE = f"{STAGE_DIR}/interpreter"
 PCT_MISSING = re.compile(r"Configuration file '\S+/lxc/(\d+)\.conf' does not exist")
 PCT_NOT_RUNNING = re.compile(r"container '(\d+)' not running")
+
+
+class Reply(Protocol):
+    """A script's typed reply (gpuctl.remote.protocol): made from the script's stdout."""
+
+    @classmethod
+    def parse(cls, stdout: bytes) -> Any: ...
+
+
+R = TypeVar("R", bound=Reply)
 
 
 class ContainerNotRunning(GpuctlError):
@@ -52,6 +62,14 @@ class Container:
     def run(self, template: str, **values: Any) -> Completed:
         """Run templates/TEMPLATE.sh.j2 in the container and collect its output."""
         return self._checked(self.session.run(self.command(), self.script(template, **values).encode()))
+
+    def call(self, template: str, reply: type[R], what: str, **values: Any) -> R:
+        """The one container call: run templates/TEMPLATE.sh.j2, check its exit code (pct's errors and an unknown
+        run raise their own; any other failure says `what` failed), parse its typed reply."""
+        result = self.run(template, **values)
+        if result.rc != 0:
+            raise self.failure(result, what)
+        return reply.parse(result.stdout)
 
     def stream(self, template: str, on_stdout: Callable[[bytes], None],
                on_stderr: Callable[[bytes], None] | None = None, idle_timeout: float | None = None,

@@ -21,7 +21,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
-from gpuctl.protocol import RemoteFile
+from gpuctl.remote.protocol import RemoteFile
 
 STATE_FILE = ".gpuctl-pull.json"
 PART = ".part"

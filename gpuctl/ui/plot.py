@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpuctl.commands import MetricsHistory
+from gpuctl.commands.status import MetricsHistory
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
 
 FORMATS = {".png", ".svg", ".pdf"}

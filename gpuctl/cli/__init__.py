@@ -1,0 +1,78 @@
+"""The gpuctl command line: parse, call gpuctl.commands, render (the commands: gpuctl.cli.app; every option:
+gpuctl.cli.options). Nothing else lives here.
+
+run() turns every outcome into one exit code (gpuctl.errors.ExitCode) and every error into one line on
+stderr, never a traceback (GPUCTL_DEBUG=1 shows it).
+"""
+
+import os
+import sys
+
+import typer
+
+from gpuctl.cli.app import Invocation, app
+from gpuctl.errors import ExitCode, GpuctlError
+from gpuctl.remote import ssh
+from gpuctl.runs import RUN_REF
+from gpuctl.ui.output import Output
+
+# Newer Typer releases vendor their own click: take its exceptions from the module Typer's own come from.
+click_exceptions = sys.modules[typer.BadParameter.__module__]
+NoArgsIsHelp = getattr(click_exceptions, "NoArgsIsHelpError", ())
+
+__all__ = ["app", "main", "run"]
+
+
+def _bare_resume(argv: list[str]) -> list[str]:
+    """Typer has no option with an optional value: `launch --resume` not followed by a run number becomes
+    `--resume=` (the latest run)."""
+    if "launch" not in argv:
+        return argv
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + argv[i:]
+        following = argv[i + 1] if i + 1 < len(argv) else None
+        out.append("--resume=" if arg == "--resume" and not (following and RUN_REF.match(following)) else arg)
+    return out
+
+
+def run(argv: list[str] | None = None, out: Output | None = None) -> int:
+    """Run gpuctl with these arguments, writing through `out` (default: sys.stdout and sys.stderr as they are
+    then); return its exit code (tests call this in-process)."""
+    command = typer.main.get_command(app)
+    argv = _bare_resume(sys.argv[1:] if argv is None else list(argv))
+    out = out or Output()
+    stats = ssh.Stats()  # what this invocation's connection costs: its session counts into it
+    try:
+        return int(command.main(args=argv, prog_name="gpuctl", standalone_mode=False,
+                                obj=Invocation(out, stats)) or 0)
+    except GpuctlError as e:
+        out.error(str(e))
+        return int(e.code)
+    except NoArgsIsHelp as e:
+        out.write(e.ctx.get_help() + "\n")
+        return int(ExitCode.USAGE)
+    except click_exceptions.UsageError as e:
+        where = f"gpuctl {e.ctx.info_name} --help" if e.ctx and e.ctx.parent else "gpuctl --help"
+        out.error(f"{e.format_message()} (see {where})")
+        return int(ExitCode.USAGE)
+    except (KeyboardInterrupt, typer.Abort):
+        out.error("interrupted")
+        return int(ExitCode.INTERRUPTED)
+    except BrokenPipeError:
+        # The reader went away (gpuctl logs | head): not an error of ours.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), out.stdout.fileno())
+        return int(ExitCode.OK)
+    except Exception as e:  # a bug: still one line, with the way to see more
+        if os.environ.get("GPUCTL_DEBUG"):
+            raise
+        out.error(f"internal error: {type(e).__name__}: {e} (GPUCTL_DEBUG=1 shows the traceback)")
+        return int(ExitCode.RUN_FAILED)
+    finally:
+        if ssh.tracing():
+            print(ssh.trace_line(stats), file=out.stderr)
+
+
+def main() -> None:
+    sys.exit(run(sys.argv[1:]))

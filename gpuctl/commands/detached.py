@@ -1,0 +1,232 @@
+"""The one way gpuctl starts something that outlives the connection (ARCHITECTURE §3, "Detaching"): launch.sh's
+conversation under the container's launch lock, the staged package, the wrapper, and the wait until the task
+runs. A training run, a regeneration, `gpuctl setup`'s installation and each node of a multi-node run all
+start here; launch.sh's conversation is split at its waiting point (begin, then PendingStart.finish) so a
+multi-node launch can hear every node before any starts.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from tenacity import RetryError, retry, retry_if_result, stop_after_delay, wait_exponential
+
+from gpuctl import __version__
+from gpuctl.commands.kill import KILL_VERIFY_S, KillResult, kill
+from gpuctl.commands.session import Notify, Progress, inspect, seconds
+from gpuctl.errors import ExitCode, GpuctlError, usage_error
+from gpuctl.remote import scripts
+from gpuctl.remote.container import INTERPRETER_FILE, RECORDS_DIR, STAGE_DIR, Container
+from gpuctl.remote.protocol import (
+    LAUNCH_ABORT,
+    LAUNCH_WAITING,
+    Inspection,
+    LaunchReply,
+    ScriptExit,
+    launch_go,
+)
+from gpuctl.remote.ssh import RemoteCommand
+from gpuctl.runs import Run, State
+from gpuctl.staging import Package, PackageFile, StagePlan, file_from_bytes, plan_stage
+from gpuctl.target import Target
+
+START_TIMEOUT_S = seconds("GPUCTL_START_TIMEOUT", 30)
+# How long the container's side of a launch waits for gpuctl's reply while it holds the launch lock.
+LOCK_REPLY_S = seconds("GPUCTL_LOCK_REPLY_TIMEOUT", 120)
+LAUNCH_TAIL_LINES = 20
+PackageFor = Callable[[LaunchReply], Package]  # the package to stage, once the container's report is in
+
+
+@dataclass
+class LaunchResult:
+    run: Run
+    package: Package
+    plan: StagePlan
+    sent_file_bytes: int  # what the SSH layer wrote of the changed files' archive
+    tail: bytes = b""  # the log's last lines when the run ended during the start check
+    replaced: list[KillResult] = field(default_factory=list)
+    resumed_from: int | None = None
+    python: str | None = None  # the interpreter the run uses, as the container resolved it
+    python_from: str | None = None  # "option" (--python), "recorded" (gpuctl setup's), "default" (python3)
+
+    @property
+    def number(self) -> int:
+        return self.run.number
+
+    @property
+    def failed(self) -> bool:
+        """The run ended during its start; a failed first attempt that --retry restarts is no failure yet."""
+        return self.run.state in (State.FAILED, State.KILLED, State.LOST) and not self.run.record.get("retried_as")
+
+    def staging_json(self) -> dict[str, Any]:
+        return {"files": len(self.package.files), "bytes": self.package.size, "digest": self.package.digest,
+                "sent_files": self.plan.changed, "sent_bytes": self.sent_file_bytes}
+
+
+def _holder() -> str:
+    who = f"{getpass.getuser()}@{socket.gethostname()}"
+    return f"{who} (gpuctl pid {os.getpid()}, since {datetime.now(timezone.utc).isoformat(timespec='seconds')})"
+
+
+def values(target: Target, task: str, fields: dict[str, Any], *, python: str | None,
+           use_recorded_python: bool, log_dir: str, workdir: str, keep_compile_cache: bool,
+           replacing: bool, find_address: bool = False) -> dict[str, Any]:
+    """launch.sh's values for a detached task: "train" and "regenerate" run the staged run.sh (a training run, a
+    data regeneration), "setup" the staged setup.sh (gpuctl setup's installation); each has its own numbered log
+    (<task>_tlN.log) and a record that names the task. find_address: the script reports the container's address
+    (a multi-node run's node 0, for MASTER_ADDR)."""
+    record_fields = {
+        "task": task, "host": target.host, "container": target.ct, **fields,
+        "launched_by": f"{getpass.getuser()}@{socket.gethostname()}", "gpuctl_version": __version__,
+    }
+    reply_timeout = LOCK_REPLY_S + (2 * 30.0 + KILL_VERIFY_S if replacing else 0)
+    log_stem = f"{task}_tl"
+    return {
+        "stage_dir": STAGE_DIR, "log_dir": log_dir, "workdir": workdir, "python": python or "",
+        "interpreter_file": INTERPRETER_FILE if use_recorded_python else "", "entry": TASK_ENTRIES[task],
+        "keep_compile_cache": keep_compile_cache, "holder": _holder(), "reply_timeout": int(reply_timeout),
+        "find_address": find_address,
+        "log_stem": log_stem, "log_prefix": json.dumps(f"{log_dir.rstrip('/')}/{log_stem}")[:-1],
+        "record_fields": json.dumps(record_fields)[1:-1],
+    }
+
+
+# What the wrapper runs, in the staged package; a task's log is <task>_tlN.log.
+TASK_ENTRIES = {"train": "run.sh", "regenerate": "run.sh", "setup": "setup.sh"}
+
+
+def wrapper_file() -> PackageFile:
+    """gpuctl-wrapper.sh, which runs a detached task and records how it ended."""
+    return file_from_bytes("gpuctl-wrapper.sh", scripts.render("wrapper.sh", records_dir=RECORDS_DIR).encode(), 0o755)
+
+
+def shown(target: Target, values: dict[str, Any]) -> str:
+    """What a --dry-run shows of a start: the command on the host and the launch script it is sent."""
+    command = scripts.render("pct_exec", ctid=target.ct).strip()
+    script = scripts.render("launch.sh", records_dir=RECORDS_DIR, **values)
+    return f"# on {target.host}: {command}   (script on stdin)\n{script}\n"
+
+
+def _active_conflict(ct: Container, active: Run) -> GpuctlError:
+    number, launched_by = active.number, active.record.get("launched_by")
+    by = f" (launched by {launched_by})" if launched_by else ""
+    return GpuctlError(f"run tl{number} is active in CT {ct.ctid}{by}: stop it (gpuctl kill --run {number}) "
+                       "or launch with --replace", ExitCode.CONFLICT)
+
+
+def _no_python(ct: Container, reply: LaunchReply, task: str) -> GpuctlError:
+    python = reply.python or "python3"
+    if reply.python_from == "option":
+        return usage_error(f"{python!r} not found in CT {ct.ctid}: pass --python PATH")
+    if reply.python_from == "recorded":
+        return GpuctlError(f"{python}, the interpreter gpuctl setup recorded in {INTERPRETER_FILE}, is gone from CT "
+                           f"{ct.ctid}: run gpuctl setup again (or pass --python PATH)", ExitCode.ENV_NOT_READY)
+    fix = "install Python >= 3.10 in it" if task == "setup" else "gpuctl setup prepares one"
+    return GpuctlError(f"no {python} in CT {ct.ctid}: {fix} (or pass --python PATH)", ExitCode.ENV_NOT_READY)
+
+
+def start(ct: Container, values: dict[str, Any], package_for: PackageFor, task: str, replace_active: bool,
+          notify: Notify, progress: Progress | None = None) -> LaunchResult:
+    """launch.sh's conversation: under the container's launch lock, stage package_for(its report) and start the
+    task detached; wait until it runs."""
+    return begin(ct, values, task, notify).finish(package_for, replace_active, notify, progress)
+
+
+def begin(ct: Container, values: dict[str, Any], task: str, notify: Notify) -> PendingStart:
+    """The first half of launch.sh's conversation: the lock taken, the container's report read."""
+    remote = ct.start("launch", **values)
+    head, waiting = remote.read_until(LAUNCH_WAITING)
+    if not waiting:  # the script ended before it could stage
+        result = ct.finish(remote)
+        early = LaunchReply.parse(head + result.stdout)
+        if result.rc == ScriptExit.LOCKED:
+            holder = (early.holder or "").strip() or "unknown"
+            raise GpuctlError(f"another launch holds CT {ct.ctid}'s launch lock: {holder}", ExitCode.CONFLICT)
+        if result.rc == ScriptExit.NO_PYTHON:
+            raise _no_python(ct, early, task)
+        raise ct.failure(result, "launch")
+    report = LaunchReply.parse(head)  # under the lock, before our answer
+    if report.recovered is not None:
+        notify(f"took over CT {ct.ctid}'s launch lock from a launch that overran its deadline: {report.recovered}")
+    return PendingStart(ct, remote, report)
+
+
+@dataclass
+class PendingStart:
+    """launch.sh under the container's launch lock, its report made, waiting for gpuctl's answer."""
+
+    ct: Container
+    remote: RemoteCommand
+    report: LaunchReply
+
+    def abort(self) -> None:
+        """Answer "abort": the script ends and the lock goes with it."""
+        self.remote.send(LAUNCH_ABORT)
+        self.remote.close_stdin()
+        self.ct.finish(self.remote)
+
+    def conflict(self) -> GpuctlError:
+        """The error for the container's active run."""
+        return _active_conflict(self.ct, self.report.active[0])
+
+    def finish(self, package_for: PackageFor, replace_active: bool, notify: Notify, progress: Progress | None = None,
+               number: int | None = None) -> LaunchResult:
+        """The second half: (with --replace, the active runs killed) stage package_for(the report), start the task
+        as run `number` (None: the next one there), wait until it runs."""
+        ct, remote, report = self.ct, self.remote, self.report
+        replaced = []
+        if report.active:
+            if not replace_active:
+                self.abort()
+                raise self.conflict()
+            for active in report.active:
+                notify(f"--replace: killing tl{active.number} first")
+                replaced.append(kill(ct, active.number, "TERM", grace=30.0, notify=notify))
+        package = package_for(report)
+        plan = plan_stage(package, report.manifest)
+        remote.send(launch_go(plan.changed_bytes, package.manifest(), number))
+        tracker = progress(plan.changed_bytes) if progress and plan.archive else None
+        try:
+            sent_file_bytes = remote.send(plan.archive, kind="files", progress=tracker)
+        finally:
+            if tracker:
+                tracker.close()
+        remote.close_stdin()
+        result = ct.finish(remote)
+        reply = LaunchReply.parse(result.stdout)
+        if result.rc == ScriptExit.ACTIVE:
+            raise _active_conflict(ct, reply.active[0])
+        if result.rc != 0 or reply.record is None:
+            raise ct.failure(result, "launch")
+        run, tail = wait_until_started(ct, reply.record["number"])
+        return LaunchResult(run=run, package=package, plan=plan, sent_file_bytes=sent_file_bytes, tail=tail,
+                            replaced=replaced, python=report.python, python_from=report.python_from)
+
+
+def wait_until_started(ct: Container, number: int) -> tuple[Run, bytes]:
+    """Poll until the run's process is alive and its log exists, or it already ended (then with its tail)."""
+
+    def pending(inspection: Inspection) -> bool:
+        run = inspection.runs[0]
+        return run.state == State.STARTING or (run.state == State.RUNNING and (run.log_size or -1) < 0)
+
+    @retry(stop=stop_after_delay(START_TIMEOUT_S), wait=wait_exponential(multiplier=0.02, max=0.5),
+           retry=retry_if_result(pending))
+    def probe() -> Inspection:
+        return inspect(ct, number, tail_lines=LAUNCH_TAIL_LINES)
+
+    try:
+        inspection = probe()
+    except RetryError:
+        raise GpuctlError(f"tl{number} did not start within {START_TIMEOUT_S:g} s (see gpuctl logs --run "
+                          f"{number})", ExitCode.RUN_FAILED) from None
+    run = inspection.runs[0]
+    return run, b"" if run.state.active else inspection.tails.get(number, b"")
+

@@ -1,0 +1,52 @@
+"""`launch --resume [N]`: which run is continued, and the options it is continued with (its own task, config,
+sets, interpreter and directories, under what the command line gives)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import PurePosixPath
+from typing import Any
+
+from gpuctl.commands.options import LaunchOptions, LaunchTask
+from gpuctl.commands.session import inspect
+from gpuctl.errors import usage_error
+from gpuctl.remote.container import Container
+from gpuctl.runs import Run
+
+
+def resuming(ct: Container, opts: LaunchOptions) -> LaunchOptions:
+    """With --resume, the options of the run it continues (its number in opts.resume; 0 asked for the latest);
+    without, opts as they are."""
+    if opts.resume is None:
+        return opts
+    resumed = _resumable(ct, opts.resume, opts.task)
+    return resume_options(replace(opts, resume=resumed.number), resumed.record)
+
+
+def _resumable(ct: Container, number: int, task: LaunchTask | None) -> Run:
+    """The run `launch --resume [N]` continues: run N, or the latest run of `task` (any task but a gpuctl setup
+    when None)."""
+    tasks = {task.value} if task else {t.value for t in LaunchTask}
+    found = inspect(ct, number).runs
+    if found and found[0].task not in tasks and number == 0:
+        found = [run for run in inspect(ct, all_runs=True).runs if run.task in tasks][-1:]
+    if not found:
+        raise usage_error(f"no {task.value + ' ' if task else ''}runs in CT {ct.ctid} to resume")
+    if found[0].task not in {t.value for t in LaunchTask}:
+        raise usage_error(f"{found[0].run_id} is a gpuctl {found[0].task}, not a training run: nothing to resume")
+    if found[0].task not in tasks:
+        raise usage_error(f"{found[0].run_id} is a {found[0].task} run, not {task.value}: leave out --task")
+    return found[0]
+
+
+def resume_options(opts: LaunchOptions, record: dict[str, Any]) -> LaunchOptions:
+    """A resumed run: the run's own task, config, sets, interpreter, directories; what the command line gives
+    wins, and its --set values come after the run's (so they override them)."""
+    log_path = record.get("log_path") or ""
+    return replace(opts, task=LaunchTask(record.get("task") or LaunchTask.TRAIN),
+                   config=opts.config or record.get("config"),
+                   sets=[*record.get("sets", []), *opts.sets], python=opts.python or record.get("python"),
+                   env=[*record.get("env", []), *opts.env],
+                   workdir=opts.workdir or record.get("workdir"),
+                   log_dir=opts.log_dir or (str(PurePosixPath(log_path).parent) if log_path else None))
+

@@ -1,0 +1,72 @@
+"""One container's connection for a whole invocation, what survives its drop, and the run records read through
+it. Below every command: no Typer, no Rich.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Protocol, TypeVar
+
+from gpuctl.errors import ExitCode, GpuctlError
+from gpuctl.remote import ssh
+from gpuctl.remote.container import Container
+from gpuctl.remote.protocol import Inspection
+from gpuctl.remote.ssh import ConnectionLost
+from gpuctl.target import Target
+
+Notify = Callable[[str], None]
+Write = Callable[[bytes], None]
+T = TypeVar("T")
+
+
+class Tracker(Protocol):
+    """Hears of every chunk of a transfer (render.TransferProgress draws it); closed when the transfer ends."""
+
+    def __call__(self, sent: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+Progress = Callable[[int], Tracker]  # progress(total bytes): the tracker of one transfer
+
+
+def seconds(name: str, default: float) -> float:
+    return float(os.environ.get(name, default))
+
+
+RECONNECT_S = seconds("GPUCTL_RECONNECT_TIMEOUT", 60)  # a follower's time to get a lost connection back
+
+
+@contextmanager
+def connected(target: Target, stats: ssh.Stats | None = None) -> Iterator[Container]:
+    """One SSH connection for the whole invocation (a follower may replace it after a drop); what it costs is
+    counted in ct.session.stats (`stats`, when given)."""
+    ct = Container(session=ssh.connect(target, stats), target=target)
+    try:
+        yield ct
+    finally:
+        ct.session.close()
+
+
+def reconnecting(ct: Container, action: Callable[[], T], notify: Notify, within_s: float = RECONNECT_S) -> T:
+    """Run action; when the connection drops, reconnect (with backoff, for up to within_s) and run it again."""
+    while True:
+        try:
+            return action()
+        except ConnectionLost as lost:
+            notify(f"{lost}; reconnecting (for up to {within_s:g} s)")
+            try:
+                ct.reconnect(within_s)
+            except GpuctlError as e:
+                raise GpuctlError(f"{lost}, and no new connection within {within_s:g} s ({e})",
+                                  ExitCode.HOST) from None
+            notify(f"reconnected to {ct.session.endpoint.describe()}")
+
+
+def inspect(ct: Container, run_number: int = 0, *, all_runs: bool = False, gpus: bool = False,
+            tail_lines: int = 0, rest_from: int | None = None, history: int = 0) -> Inspection:
+    """The run records (and what else is asked for) as inspect.sh reports them."""
+    return ct.call("inspect", Inspection, "reading the run records", run_number=run_number, all_runs=all_runs,
+                   gpus=gpus, tail_lines=tail_lines, rest_from=rest_from, history=history)

@@ -1,0 +1,120 @@
+"""`gpuctl status`, `runs` and `plot`'s data: one container's run, its progress and GPUs; every run; a run's
+metrics with the runs it resumed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuctl.commands.session import inspect
+from gpuctl.errors import ExitCode, GpuctlError
+from gpuctl.remote.container import Container, ContainerNotRunning
+from gpuctl.remote.protocol import MetricsChain
+from gpuctl.runs import Run, parse_metrics_lines
+
+LOSS_HISTORY_POINTS = 60  # losses `status` fetches for its sparkline
+
+
+@dataclass
+class Gpu:
+    index: int
+    name: str
+    utilization: int | None
+    memory_used_mib: int | None
+    memory_total_mib: int | None
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+def parse_gpus(csv: bytes | None) -> list[Gpu]:
+    """nvidia-smi --query-gpu=index,name,utilization.gpu,memory.used,memory.total --format=csv,noheader,nounits"""
+
+    def number(text: str) -> int | None:
+        return int(text) if text.strip().isdigit() else None  # "[N/A]" on some boards
+
+    gpus = []
+    for line in (csv or b"").decode(errors="replace").splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 5 and parts[0].isdigit():
+            gpus.append(Gpu(int(parts[0]), parts[1], number(parts[2]), number(parts[3]), number(parts[4])))
+    return gpus
+
+
+@dataclass
+class StatusReport:
+    ctid: int
+    host: str
+    container_status: str  # "running", or "stopped" (then nothing inside it could be read)
+    run: Run | None
+    gpus: list[Gpu]
+    losses: list[float] = field(default_factory=list)  # a sample of the run's losses, oldest first
+    last_line: str | None = None  # the log's last line (asked for: a multi-node run's node)
+
+    def to_json(self) -> dict:
+        keys = ("run_id", "state", "exit_code", "pid", "pgid", "started_at", "ended_at", "elapsed_s", "log_path",
+                "log_size", "progress", "config", "killed_signal", "resumed_from", "task", "python", "attempt",
+                "attempts_left", "retry_of", "attempts", "last_failure", "retried_as", "retry_stopped")
+        doc = self.run.to_json() if self.run else dict.fromkeys(keys)
+        doc["gpus"] = [g.to_json() for g in self.gpus]
+        doc["container"] = {"ctid": self.ctid, "status": self.container_status, "host": self.host}
+        return doc
+
+    def unreadable(self) -> GpuctlError | None:
+        """The container not running, as the error gpuctl status exits with (after showing that)."""
+        if self.container_status == "running":
+            return None
+        return GpuctlError(f"container {self.ctid} on {self.host} is not running ({self.container_status}; start "
+                           f"it: pct start {self.ctid})", ExitCode.CONTAINER)
+
+
+def status(ct: Container, run_number: int = 0, last_line: bool = False) -> StatusReport:
+    try:
+        inspection = inspect(ct, run_number, gpus=True, history=LOSS_HISTORY_POINTS, tail_lines=int(last_line))
+    except ContainerNotRunning:
+        return StatusReport(ctid=ct.ctid, host=ct.host, container_status="stopped", run=None, gpus=[])
+    run = inspection.runs[0] if inspection.runs else None
+    history = parse_metrics_lines(inspection.histories.get(run.number, b"")) if run else []
+    by_step = {r["step"]: r["loss"] for r in history if isinstance(r.get("loss"), (int, float))}  # last line twice
+    losses = [by_step[step] for step in sorted(by_step)]
+    tail = inspection.tails.get(run.number, b"").decode(errors="replace").strip() if run else ""
+    return StatusReport(ctid=ct.ctid, host=ct.host, container_status="running", run=run,
+                        gpus=parse_gpus(inspection.gpus_csv), losses=losses, last_line=tail or None)
+
+
+def list_runs(ct: Container) -> list[Run]:
+    return inspect(ct, all_runs=True).runs
+
+
+@dataclass
+class ContainerRuns:
+    """`gpuctl runs` of one container: every run, and where."""
+
+    runs: list[Run]
+    ctid: int
+    host: str
+    errors: list[GpuctlError] = field(default_factory=list)  # none: one container's failure is raised
+
+
+@dataclass
+class MetricsHistory:
+    """A run's metrics records, with those of the runs it resumed (oldest run first)."""
+
+    runs: list[Run]
+    records: list[dict[str, Any]]  # by step; a resumed run's records replace its predecessor's from its first step
+    resumed_at: list[float]  # where each resumed run took over: between its predecessor's last step and its first
+
+
+def metrics_history(ct: Container, run_number: int = 0) -> MetricsHistory:
+    chain = ct.call("metrics", MetricsChain, "reading the metrics", run_number=run_number).links
+    records: list[dict] = []
+    resumed_at = []
+    for i, (_, lines) in enumerate(chain):
+        steps = [r["step"] for r in lines]
+        if i and steps:
+            records = [r for r in records if r["step"] < min(steps)]
+            before = max((r["step"] for r in records), default=min(steps) - 1)
+            resumed_at.append((before + min(steps)) / 2)
+        records += lines
+    return MetricsHistory([run for run, _ in chain], records, resumed_at)
+
