@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from gpuctl import commands, target
+from gpuctl import address, commands
 from tests.sandbox import ALIAS, StandInHost
 
 CTID = 200
@@ -33,11 +33,11 @@ FAKE = ["fake.steps=1000000", "fake.step_s=0.05"]
 
 def timed_in_process(operation, flags, runs: int, after=None) -> tuple[float, int, float, int]:
     """Median seconds of connect + operation, the remote commands it issued, the median connect time, the
-    median file bytes sent. `flags` is a TargetFlags, or a function of the run's index that gives one."""
+    median file bytes sent. `flags` is an AddressFlags, or a function of the run's index that gives one."""
     seconds, connects, trips, sent = [], [], set(), []
     for i in range(runs):
         start = time.perf_counter()
-        t = target.resolve(flags(i) if callable(flags) else flags)
+        t = address.resolve(flags(i) if callable(flags) else flags)
         with commands.connected(t) as ct:
             operation(ct, t)
         seconds.append(time.perf_counter() - start)
@@ -76,18 +76,18 @@ def main() -> None:
             host.add_container(CTID)
             env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUCTL_", "SSH_"))}
             env.update(PYTHONPATH=str(REPO), **host.env(CTID))
-            flags = target.TargetFlags(host=ALIAS, ct=CTID, ssh_config=str(host.ssh_config))
+            flags = address.AddressFlags(host=ALIAS, ct=CTID, ssh_config=str(host.ssh_config))
             options = commands.LaunchOptions(python="fake-trainer", sets=FAKE)
 
             def stop_run(_) -> None:
-                with commands.connected(target.resolve(flags)) as ct:
+                with commands.connected(address.resolve(flags)) as ct:
                     commands.kill(ct, 0, "KILL", grace=5, notify=lambda _: None)
 
             rows = []
 
-            def fresh_container(i: int) -> target.TargetFlags:
+            def fresh_container(i: int) -> address.AddressFlags:
                 host.add_container(CTID + 1 + i)
-                return target.TargetFlags(host=ALIAS, ct=CTID + 1 + i, ssh_config=str(host.ssh_config))
+                return address.AddressFlags(host=ALIAS, ct=CTID + 1 + i, ssh_config=str(host.ssh_config))
 
             def stop_that_run(t) -> None:
                 with commands.connected(t) as ct:
@@ -102,8 +102,8 @@ def main() -> None:
             launch_cli = timed_cli(["launch", "--python", "fake-trainer", *sets], env, args.runs, after=stop_run)
             rows.append(("launch, again (to verified running)", launch, launch_cli))
             # A running run for status and logs to read.
-            with commands.connected(target.resolve(flags)) as ct:
-                commands.launch(ct, target.resolve(flags), options, notify=lambda _: None)
+            with commands.connected(address.resolve(flags)) as ct:
+                commands.launch(ct, address.resolve(flags), options, notify=lambda _: None)
             time.sleep(2)  # let the fake trainer write a few dozen log lines and metrics records
             status = timed_in_process(lambda ct, t: commands.status(ct), flags, args.runs)
             rows.append(("status", status, timed_cli(["status"], env, args.runs)))

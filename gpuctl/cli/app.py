@@ -12,8 +12,11 @@ from typing import Annotated, Any
 import typer
 
 from gpuctl import __version__, commands
+from gpuctl.address import AddressFlags, remember
+from gpuctl.address import resolve as resolve_address
 from gpuctl.cli.options import (
-    TARGET_PARAMS,
+    ADDRESS_PARAMS,
+    AddressArg,
     Cluster,
     Config,
     Dest,
@@ -32,7 +35,7 @@ from gpuctl.cli.options import (
     LogsFollow,
     MasterAddr,
     MasterPort,
-    NodeTargets,
+    NodeAddresses,
     PlotOutput,
     Replace,
     Resume,
@@ -45,7 +48,6 @@ from gpuctl.cli.options import (
     Signal,
     SystemSitePackages,
     Tail,
-    TargetArg,
     Task,
     Torch,
     Venv,
@@ -59,8 +61,6 @@ from gpuctl.errors import ExitCode, GpuctlError, usage_error
 from gpuctl.remote import ssh
 from gpuctl.remote.container import Container
 from gpuctl.runs import parse_run_ref, parse_signal
-from gpuctl.target import TargetFlags, remember
-from gpuctl.target import resolve as resolve_target
 from gpuctl.ui import render
 from gpuctl.ui.output import Output
 
@@ -95,20 +95,20 @@ def _main(version: Annotated[bool, typer.Option("--version", callback=_version, 
     """Launch, follow and control training runs inside Proxmox LXC containers over SSH."""
 
 
-def with_target(func: Callable) -> Callable:
-    """Add TARGET and the target options to a command; it receives them as one `flags: TargetFlags`, and the
+def with_address(func: Callable) -> Callable:
+    """Add TARGET and the target options to a command; it receives them as one `flags: AddressFlags`, and the
     invocation's Output and Stats as `out` and `stats`."""
     kw = inspect.Parameter.KEYWORD_ONLY
     own = [p.replace(kind=kw) for p in inspect.signature(func).parameters.values()
            if p.name not in ("flags", "stats", "out")]
-    added = [inspect.Parameter("target", kw, default=None, annotation=TargetArg)]
+    added = [inspect.Parameter("target", kw, default=None, annotation=AddressArg)]
     added += [inspect.Parameter(name, kw, default=False if name == "accept_new_host_key" else None,
-                                annotation=annotation) for name, annotation in TARGET_PARAMS]
+                                annotation=annotation) for name, annotation in ADDRESS_PARAMS]
     context = inspect.Parameter("ctx", kw, annotation=typer.Context)  # Typer passes it; no option
 
     @functools.wraps(func)
     def command(ctx: typer.Context, **kwargs):
-        flags = TargetFlags(**{p.name: kwargs.pop(p.name) for p in added})
+        flags = AddressFlags(**{p.name: kwargs.pop(p.name) for p in added})
         return func(flags=flags, out=ctx.obj.out, stats=ctx.obj.stats, **kwargs)
 
     params = [context, *added[:1], *own, *added[1:]]
@@ -118,12 +118,12 @@ def with_target(func: Callable) -> Callable:
 
 
 @app.command()
-@with_target
-def launch(flags: TargetFlags, out: Output, stats: ssh.Stats, task: Task = None, config: Config = None,
+@with_address
+def launch(flags: AddressFlags, out: Output, stats: ssh.Stats, task: Task = None, config: Config = None,
            set_: Sets = None, python: LaunchPython = None, workdir: Workdir = None, log_dir: LogDir = None,
            keep_compile_cache: KeepCompileCache = False, replace: Replace = False, resume: Resume = None,
            retry: Retry = 0, retry_delay: RetryDelay = 10.0, follow: LaunchFollow = False, dry_run: DryRun = False,
-           json_: JsonOpt = False, env: Env = None, node: NodeTargets = None, cluster_name: Cluster = None,
+           json_: JsonOpt = False, env: Env = None, node: NodeAddresses = None, cluster_name: Cluster = None,
            master_addr: MasterAddr = None, master_port: MasterPort = None) -> int:
     """Start a training run (or, with --task regenerate, a data regeneration) in the container, detached; print
     its id, pid and log. With --node (or --cluster), one run across several containers: one trainer each."""
@@ -168,12 +168,12 @@ def _raise_first(errors: list[GpuctlError], out: Output) -> None:
 
 
 @app.command()
-@with_target
-def logs(flags: TargetFlags, out: Output, stats: ssh.Stats, run: RunOpt = None, tail: Tail = None,
+@with_address
+def logs(flags: AddressFlags, out: Output, stats: ssh.Stats, run: RunOpt = None, tail: Tail = None,
          follow: LogsFollow = False, node: LogNode = None) -> int:
     """Print a run's log (the latest run's by default); only the log's own lines go to stdout."""
-    target, number = commands.resolve(flags).log_source(node, parse_run_ref(run))
-    with commands.connected(target, stats) as ct:
+    address, number = commands.resolve(flags).log_source(node, parse_run_ref(run))
+    with commands.connected(address, stats) as ct:
         if follow:
             return _follow(out, ct, number, lines=tail, offset=None)
         commands.print_log(ct, number, tail, out.write_bytes)
@@ -181,8 +181,8 @@ def logs(flags: TargetFlags, out: Output, stats: ssh.Stats, run: RunOpt = None, 
 
 
 @app.command()
-@with_target
-def status(flags: TargetFlags, out: Output, stats: ssh.Stats, run: RunOpt = None, watch: Watch = False,
+@with_address
+def status(flags: AddressFlags, out: Output, stats: ssh.Stats, run: RunOpt = None, watch: Watch = False,
            interval: Interval = 2.0, json_: JsonOpt = False) -> int:
     """The container, the run (state, pid, log, progress, loss) and the GPUs; exit 4 if the container is not
     running (after showing that)."""
@@ -209,13 +209,13 @@ def _watch(out: Output, fetch: Callable[[], Any], interval: float) -> None:
 
 
 @app.command()
-@with_target
-def plot(flags: TargetFlags, out: Output, stats: ssh.Stats, output: PlotOutput, run: RunOpt = None) -> int:
+@with_address
+def plot(flags: AddressFlags, out: Output, stats: ssh.Stats, output: PlotOutput, run: RunOpt = None) -> int:
     """Draw a run's loss and tokens/s against step (with the runs it resumed) into an image."""
     from gpuctl.ui import plot as plotting  # matplotlib only when asked for
 
     plotting.check_output(output)
-    with commands.connected(resolve_target(flags), stats) as ct:
+    with commands.connected(resolve_address(flags), stats) as ct:
         history = commands.metrics_history(ct, parse_run_ref(run))
     points = plotting.draw(history, output)
     out.message(f"wrote {output} ({points} points of {history.runs[-1].run_id})")
@@ -223,8 +223,8 @@ def plot(flags: TargetFlags, out: Output, stats: ssh.Stats, output: PlotOutput, 
 
 
 @app.command()
-@with_target
-def runs(flags: TargetFlags, out: Output, stats: ssh.Stats, json_: JsonOpt = False) -> int:
+@with_address
+def runs(flags: AddressFlags, out: Output, stats: ssh.Stats, json_: JsonOpt = False) -> int:
     """Every run in the container: id, state, exit code, start, duration, log size (a multi-node run's: every
     node's, each run with its nodes)."""
     scope = commands.resolve(flags)
@@ -236,8 +236,8 @@ def runs(flags: TargetFlags, out: Output, stats: ssh.Stats, json_: JsonOpt = Fal
 
 
 @app.command()
-@with_target
-def kill(flags: TargetFlags, out: Output, stats: ssh.Stats, run: RunOpt = None, signal: Signal = "TERM",
+@with_address
+def kill(flags: AddressFlags, out: Output, stats: ssh.Stats, run: RunOpt = None, signal: Signal = "TERM",
          grace: Grace = 30.0) -> int:
     """Signal a run's whole process group, escalate to SIGKILL after --grace, check nothing is left."""
     number, signal_name = parse_run_ref(run), parse_signal(signal)
@@ -250,8 +250,8 @@ def kill(flags: TargetFlags, out: Output, stats: ssh.Stats, run: RunOpt = None, 
 
 
 @app.command()
-@with_target
-def pull(flags: TargetFlags, out: Output, stats: ssh.Stats, dest: Dest = None, run: RunOpt = None,
+@with_address
+def pull(flags: AddressFlags, out: Output, stats: ssh.Stats, dest: Dest = None, run: RunOpt = None,
          what: What = commands.PullWhat.EXPORT, with_optimizer: WithOptimizer = False, json_: JsonOpt = False) -> int:
     """Copy a run's export, newest checkpoint, metrics or regenerated data to DEST over SSH, every file checked by sha256; an
     interrupted pull leaves nothing at DEST, and running it again continues where it stopped."""
@@ -261,7 +261,7 @@ def pull(flags: TargetFlags, out: Output, stats: ssh.Stats, dest: Dest = None, r
         raise usage_error("missing DEST (see gpuctl pull --help)")
     destination = commands.pull_destination(dest, what, with_optimizer)
     progress = None if json_ else (lambda total: render.TransferProgress(out, total, "pulling"))
-    with commands.connected(resolve_target(flags), stats) as ct:
+    with commands.connected(resolve_address(flags), stats) as ct:
         result = commands.pull(ct, parse_run_ref(run), what, destination, with_optimizer, notify=out.message,
                                progress=progress)
     render.pull_result(out, result, as_json=json_)
@@ -269,23 +269,23 @@ def pull(flags: TargetFlags, out: Output, stats: ssh.Stats, dest: Dest = None, r
 
 
 @app.command("doctor")
-@with_target
-def doctor_command(flags: TargetFlags, out: Output, stats: ssh.Stats, python: DoctorPython = None,
+@with_address
+def doctor_command(flags: AddressFlags, out: Output, stats: ssh.Stats, python: DoctorPython = None,
                    json_: JsonOpt = False) -> int:
     """Check that the container can train: host, pct, container, the interpreter launch would use and its
     packages, the GPUs against torch's, CUDA, free space and GPU memory, an active run. Exit 6 when a check
     fails."""
     if python is not None:
         commands.check_python(python)
-    report = doctor.doctor(resolve_target(flags), stats, python)
+    report = doctor.doctor(resolve_address(flags), stats, python)
     render.doctor_report(out, report, as_json=json_)
     _ready(report)
     return ExitCode.OK
 
 
 @app.command("setup")
-@with_target
-def setup_command(flags: TargetFlags, out: Output, stats: ssh.Stats, python: SetupPython = None,
+@with_address
+def setup_command(flags: AddressFlags, out: Output, stats: ssh.Stats, python: SetupPython = None,
                   venv: Venv = doctor.DEFAULT_VENV, torch: Torch = None, index_url: IndexUrl = None,
                   system_site_packages: SystemSitePackages = False, dry_run: SetupDryRun = False) -> int:
     """Make the container ready to train: a virtual environment with the trainer's packages (a CUDA build of torch
@@ -293,14 +293,14 @@ def setup_command(flags: TargetFlags, out: Output, stats: ssh.Stats, python: Set
     Launch uses that environment from then on."""
     opts = doctor.check_setup_options(doctor.SetupOptions(
         python=python, venv=venv, torch=torch, index_urls=index_url or [], system_site_packages=system_site_packages))
-    target = resolve_target(flags)
+    address = resolve_address(flags)
     if dry_run:
-        out.write(doctor.plan_setup(target, opts))
+        out.write(doctor.plan_setup(address, opts))
         return ExitCode.OK
-    with commands.connected(target, stats) as ct:
-        result = doctor.setup(ct, target, opts, notify=out.message,
+    with commands.connected(address, stats) as ct:
+        result = doctor.setup(ct, address, opts, notify=out.message,
                               progress=lambda total: render.TransferProgress(out, total, "staging"))
-        remember(target)
+        remember(address)
         render.launch_result(out, result, as_json=False, to_stderr=True, show_tail=False)
         code = _follow(out, ct, result.run.number, lines=None, offset=0)
         if code != ExitCode.OK:

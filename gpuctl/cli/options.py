@@ -1,5 +1,5 @@
 """Every option of gpuctl's command line, declared once (httpie's cli/definition.py, SkyPilot's flags.py): the
-target options every command takes (with_target adds them), and each command's own. The commands in
+target options every command takes (with_address adds them), and each command's own. The commands in
 gpuctl.cli.app name these types in their signatures.
 """
 
@@ -13,30 +13,30 @@ import typer
 from gpuctl.commands import LaunchTask, PullWhat
 from gpuctl.commands.doctor import DEFAULT_VENV
 
-TARGET_HELP = "Target options"
-# The target options every command accepts (ARCHITECTURE §2); with_target adds them to each command.
-TARGET_PARAMS = [
+ADDRESS_HELP = "Target options"
+# The target options every command accepts (ARCHITECTURE §2); with_address adds them to each command.
+ADDRESS_PARAMS = [
     ("host", Annotated[str | None, typer.Option(metavar="HOST", help="Proxmox host: address, name or ~/.ssh/config alias "
-                                                        "[env GPUCTL_HOST]", rich_help_panel=TARGET_HELP)]),
+                                                        "[env GPUCTL_HOST]", rich_help_panel=ADDRESS_HELP)]),
     ("port", Annotated[int | None, typer.Option(metavar="N", help="SSH port [env GPUCTL_PORT; default 22]",
-                                                   rich_help_panel=TARGET_HELP)]),
+                                                   rich_help_panel=ADDRESS_HELP)]),
     ("user", Annotated[str | None, typer.Option(metavar="USER", help="SSH user [env GPUCTL_USER; default root]",
-                                                   rich_help_panel=TARGET_HELP)]),
+                                                   rich_help_panel=ADDRESS_HELP)]),
     ("identity", Annotated[str | None, typer.Option(metavar="PATH", help="private key file [env GPUCTL_IDENTITY]",
-                                                       rich_help_panel=TARGET_HELP)]),
+                                                       rich_help_panel=ADDRESS_HELP)]),
     ("ct", Annotated[int | None, typer.Option(metavar="CTID", help="container id [env GPUCTL_CT]",
-                                                 rich_help_panel=TARGET_HELP)]),
+                                                 rich_help_panel=ADDRESS_HELP)]),
     ("ssh_config", Annotated[str | None, typer.Option(metavar="PATH", help="ssh_config file [env GPUCTL_SSH_CONFIG; default "
-                                                              "~/.ssh/config]", rich_help_panel=TARGET_HELP)]),
+                                                              "~/.ssh/config]", rich_help_panel=ADDRESS_HELP)]),
     ("accept_new_host_key", Annotated[bool, typer.Option("--accept-new-host-key", help="record an unknown host's key in known_hosts",
-                                                         rich_help_panel=TARGET_HELP)]),
+                                                         rich_help_panel=ADDRESS_HELP)]),
     ("connect_timeout", Annotated[float | None, typer.Option(metavar="SECONDS", help="seconds to wait for the host [default 10]",
-                                                                rich_help_panel=TARGET_HELP)]),
+                                                                rich_help_panel=ADDRESS_HELP)]),
     ("profile", Annotated[str | None, typer.Option(metavar="NAME", help="a [profiles.NAME] table of "
                                                    "$XDG_CONFIG_HOME/gpuctl/config.toml [env GPUCTL_PROFILE]",
-                                                   rich_help_panel=TARGET_HELP)]),
+                                                   rich_help_panel=ADDRESS_HELP)]),
 ]
-TargetArg = Annotated[str | None, typer.Argument(metavar="TARGET", help="[USER@]HOST[:PORT][/CTID], instead of the options",
+AddressArg = Annotated[str | None, typer.Argument(metavar="TARGET", help="[USER@]HOST[:PORT][/CTID], instead of the options",
                                                     show_default=False)]
 RunOpt = Annotated[str | None, typer.Option("--run", metavar="N", help="run number (7 or tl7); default: the latest")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON document on stdout, nothing else there")]
@@ -76,7 +76,7 @@ LaunchFollow = Annotated[bool, typer.Option("--follow", "-f", help="stream the l
 DryRun = Annotated[bool, typer.Option("--dry-run", help="print what would run, run nothing")]
 Env = Annotated[list[str] | None, typer.Option("--env", metavar="KEY=VALUE", help="an environment variable for the "
                                                "trainer (repeatable), e.g. NCCL_SOCKET_IFNAME=eth0")]
-NodeTargets = Annotated[list[str] | None, typer.Option("--node", metavar="TARGET", rich_help_panel=NODES_HELP,
+NodeAddresses = Annotated[list[str] | None, typer.Option("--node", metavar="TARGET", rich_help_panel=NODES_HELP,
                                                        help="a node of a multi-node run: [USER@]HOST[:PORT]/CTID or "
                                                             "a profile name (repeatable; node 0 first)")]
 Cluster = Annotated[str | None, typer.Option("--cluster", metavar="NAME", rich_help_panel=NODES_HELP,

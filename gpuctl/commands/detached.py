@@ -19,6 +19,7 @@ from typing import Any
 from tenacity import RetryError, retry, retry_if_result, stop_after_delay, wait_exponential
 
 from gpuctl import __version__
+from gpuctl.address import Address
 from gpuctl.commands.kill import KILL_VERIFY_S, KillResult, kill
 from gpuctl.commands.session import Notify, Progress, inspect, seconds
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
@@ -35,7 +36,6 @@ from gpuctl.remote.protocol import (
 from gpuctl.remote.ssh import RemoteCommand
 from gpuctl.runs import Run, State
 from gpuctl.staging import Package, PackageFile, StagePlan, file_from_bytes, plan_stage
-from gpuctl.target import Target
 
 START_TIMEOUT_S = seconds("GPUCTL_START_TIMEOUT", 30)
 # How long the container's side of a launch waits for gpuctl's reply while it holds the launch lock.
@@ -75,7 +75,7 @@ def _holder() -> str:
     return f"{who} (gpuctl pid {os.getpid()}, since {datetime.now(timezone.utc).isoformat(timespec='seconds')})"
 
 
-def values(target: Target, task: str, fields: dict[str, Any], *, python: str | None,
+def values(address: Address, task: str, fields: dict[str, Any], *, python: str | None,
            use_recorded_python: bool, log_dir: str, workdir: str, keep_compile_cache: bool,
            replacing: bool, find_address: bool = False) -> dict[str, Any]:
     """launch.sh's values for a detached task: "train" and "regenerate" run the staged run.sh (a training run, a
@@ -83,7 +83,7 @@ def values(target: Target, task: str, fields: dict[str, Any], *, python: str | N
     (<task>_tlN.log) and a record that names the task. find_address: the script reports the container's address
     (a multi-node run's node 0, for MASTER_ADDR)."""
     record_fields = {
-        "task": task, "host": target.host, "container": target.ct, **fields,
+        "task": task, "host": address.host, "container": address.ct, **fields,
         "launched_by": f"{getpass.getuser()}@{socket.gethostname()}", "gpuctl_version": __version__,
     }
     reply_timeout = LOCK_REPLY_S + (2 * 30.0 + KILL_VERIFY_S if replacing else 0)
@@ -107,11 +107,11 @@ def wrapper_file() -> PackageFile:
     return file_from_bytes("gpuctl-wrapper.sh", scripts.render("wrapper.sh", records_dir=RECORDS_DIR).encode(), 0o755)
 
 
-def shown(target: Target, values: dict[str, Any]) -> str:
+def shown(address: Address, values: dict[str, Any]) -> str:
     """What a --dry-run shows of a start: the command on the host and the launch script it is sent."""
-    command = scripts.render("pct_exec", ctid=target.ct).strip()
+    command = scripts.render("pct_exec", ctid=address.ct).strip()
     script = scripts.render("launch.sh", records_dir=RECORDS_DIR, **values)
-    return f"# on {target.host}: {command}   (script on stdin)\n{script}\n"
+    return f"# on {address.host}: {command}   (script on stdin)\n{script}\n"
 
 
 def _active_conflict(ct: Container, active: Run) -> GpuctlError:

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from gpuctl.address import Address
 from gpuctl.commands import detached
 from gpuctl.commands.detached import LaunchResult
 from gpuctl.commands.options import check_python
@@ -34,7 +35,6 @@ from gpuctl.requirements import (
     torch_index,
 )
 from gpuctl.staging import Package, PackageFile, build_package, file_from_bytes
-from gpuctl.target import Target
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 GIB = 1024**3
@@ -82,18 +82,18 @@ class DoctorReport:
 
 # doctor ---------------------------------------------------------------------------------------------------
 
-def doctor(target: Target, stats: ssh.Stats | None, python: str | None) -> DoctorReport:
+def doctor(address: Address, stats: ssh.Stats | None, python: str | None) -> DoctorReport:
     """Connect and check; an unreachable host (exit 3) or a container that is missing or stopped (exit 4) ends
     the checks there, with one line of error."""
     try:
-        with connected(target, stats) as ct:
+        with connected(address, stats) as ct:
             return examine(ct, python)
     except GpuctlError as e:
         if e.code != ExitCode.HOST:
             raise
         check = Check("host", FAIL, str(e), "check the host's address and port (--host, --port, ~/.ssh/config), "
                       "its key (--accept-new-host-key for a new host) and the login key (--identity)")
-        return DoctorReport(target.ct, target.host, [check], error=str(e), code=ExitCode.HOST)
+        return DoctorReport(address.ct, address.host, [check], error=str(e), code=ExitCode.HOST)
 
 
 def examine(ct: Container, python: str | None) -> DoctorReport:
@@ -337,10 +337,10 @@ def check_setup_options(opts: SetupOptions) -> SetupOptions:
     return replace(opts, venv=venv, index_urls=[check_source(u) for u in opts.index_urls])
 
 
-def _setup_values(target: Target, opts: SetupOptions) -> dict[str, Any]:
+def _setup_values(address: Address, opts: SetupOptions) -> dict[str, Any]:
     fields = {"venv": opts.venv, "torch": opts.torch, "index_urls": opts.index_urls,
               "system_site_packages": opts.system_site_packages, "workdir": "/"}
-    return detached.values(target, "setup", fields, python=opts.python, use_recorded_python=False,
+    return detached.values(address, "setup", fields, python=opts.python, use_recorded_python=False,
                            log_dir=SETUP_LOG_DIR, workdir=SETUP_LOG_DIR, keep_compile_cache=True, replacing=False)
 
 
@@ -368,14 +368,14 @@ def _setup_package(opts: SetupOptions, python: str, remote: dict[str, str]) -> P
     return package.with_files(kept)
 
 
-def plan_setup(target: Target, opts: SetupOptions) -> str:
+def plan_setup(address: Address, opts: SetupOptions) -> str:
     """What `setup --dry-run` shows: the command, the launch script, and the setup script it would start."""
-    return (detached.shown(target, _setup_values(target, opts)) +
+    return (detached.shown(address, _setup_values(address, opts)) +
             f"# then, staged with the trainer and started detached (its log: {SETUP_LOG_DIR}/setup_tlN.log), "
             f"{STAGE_DIR}/setup.sh:\n{setup_script(opts, opts.python or 'python3')}")
 
 
-def setup(ct: Container, target: Target, opts: SetupOptions, notify: Notify,
+def setup(ct: Container, address: Address, opts: SetupOptions, notify: Notify,
           progress: Progress | None = None) -> LaunchResult:
     """Start the installation detached, like a training run (the launch lock, a numbered log, a record with
     task "setup"); the caller follows its log, then checks (examine)."""
@@ -383,4 +383,4 @@ def setup(ct: Container, target: Target, opts: SetupOptions, notify: Notify,
     def package(report: LaunchReply) -> Package:
         return _setup_package(opts, report.python or "python3", report.manifest)
 
-    return detached.start(ct, _setup_values(target, opts), package, "setup", False, notify, progress)
+    return detached.start(ct, _setup_values(address, opts), package, "setup", False, notify, progress)

@@ -10,11 +10,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from gpuctl.address import Address
 from gpuctl.commands.session import Notify
 from gpuctl.errors import GpuctlError
 from gpuctl.remote import ssh
 from gpuctl.remote.container import Container
-from gpuctl.target import Target
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -22,15 +22,15 @@ U = TypeVar("U")
 
 @dataclass
 class Node:
-    """One node of the set: its index (its RANK), its target, and its connection, or why there is none."""
+    """One node of the set: its index (its RANK), its address, and its connection, or why there is none."""
 
     index: int
-    target: Target
+    address: Address
     ct: Container | None = None
     error: GpuctlError | None = None
 
     def describe(self) -> str:
-        return f"node {self.index} ({self.target.describe()})"
+        return f"node {self.index} ({self.address.describe()})"
 
     def failed(self, error: GpuctlError) -> GpuctlError:
         """The error, saying which node it happened on."""
@@ -105,13 +105,13 @@ def settled(outcomes: list[Outcome[U]]) -> list[Outcome[U]]:
 
 
 @contextmanager
-def connected(targets: Sequence[Target], stats: ssh.Stats | None = None) -> Iterator[list[Node]]:
+def connected(addresses: Sequence[Address], stats: ssh.Stats | None = None) -> Iterator[list[Node]]:
     """A connection to every node at once; a node that cannot be reached has its error instead. Node 0's
     connection counts into `stats` (GPUCTL_TRACE)."""
-    nodes = [Node(i, t) for i, t in enumerate(targets)]
+    nodes = [Node(i, t) for i, t in enumerate(addresses)]
 
     def connect(node: Node) -> Container:
-        return Container(session=ssh.connect(node.target, stats if node.index == 0 else None), target=node.target)
+        return Container(session=ssh.connect(node.address, stats if node.index == 0 else None), address=node.address)
 
     try:
         for o in on_nodes(nodes, connect):

@@ -7,6 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from gpuctl.address import Address
 from gpuctl.commands import detached
 from gpuctl.commands.detached import LaunchResult
 from gpuctl.commands.options import TASK_MODULES, LaunchOptions, LaunchTask, check_env, completed
@@ -16,10 +17,9 @@ from gpuctl.remote import scripts
 from gpuctl.remote.container import INTERPRETER_FILE, STAGE_DIR, Container
 from gpuctl.remote.protocol import LaunchReply
 from gpuctl.staging import Package, PackageFile, build_package, file_from_bytes
-from gpuctl.target import Target
 
 
-def launch_values(target: Target, opts: LaunchOptions) -> dict[str, Any]:
+def launch_values(address: Address, opts: LaunchOptions) -> dict[str, Any]:
     """launch.sh's values for a run of the trainer (or the regeneration), from completed options."""
     fields: dict[str, Any] = {"config": opts.config, "sets": opts.sets, "workdir": opts.workdir}
     if opts.resume:
@@ -30,7 +30,7 @@ def launch_values(target: Target, opts: LaunchOptions) -> dict[str, Any]:
         fields.update(env=opts.env)  # a --resume of the run sets them again
     if opts.node:
         fields.update(opts.node.record_fields())
-    return detached.values(target, opts.task.value, fields, python=opts.python, use_recorded_python=True,
+    return detached.values(address, opts.task.value, fields, python=opts.python, use_recorded_python=True,
                            log_dir=opts.log_dir, workdir=opts.workdir, keep_compile_cache=opts.keep_compile_cache,
                            replacing=opts.replace,
                            find_address=bool(opts.node and opts.node.rank == 0 and not opts.node.master_addr))
@@ -56,24 +56,24 @@ def _kept_config(package: Package, opts: LaunchOptions, remote: dict[str, str]) 
     return package.with_files([PackageFile(name, remote.get(name, ""), None)])
 
 
-def plan_launch(target: Target, opts: LaunchOptions) -> str:
+def plan_launch(address: Address, opts: LaunchOptions) -> str:
     """What `launch --dry-run` shows: the command, the script, and the package it would stage."""
     opts, config_file = completed(opts)
     interpreter = opts.python or f"the one gpuctl setup recorded in {INTERPRETER_FILE}, else python3"
     package = _package(config_file, replace(opts, python=opts.python or "<interpreter>"))
     files = package.files
-    return (detached.shown(target, launch_values(target, opts)) +
+    return (detached.shown(address, launch_values(address, opts)) +
             f"# then, only the files the container lacks of the package ({len(files)} files, {package.size} bytes, "
             f"sha256 {package.digest[:12]}); {STAGE_DIR}/run.sh will be (<interpreter>: {interpreter}):\n"
             f"{files['run.sh'].data.decode()}")
 
 
-def launch(ct: Container, target: Target, opts: LaunchOptions, notify: Notify,
+def launch(ct: Container, address: Address, opts: LaunchOptions, notify: Notify,
            progress: Progress | None = None) -> LaunchResult:
     """Start a run with checked options (check_launch_options). progress(total bytes) gives the tracker of the
     changed files' transfer."""
     opts, config_file = completed(resuming(ct, opts))
-    result = detached.start(ct, launch_values(target, opts), launch_package(opts, config_file), opts.task.value,
+    result = detached.start(ct, launch_values(address, opts), launch_package(opts, config_file), opts.task.value,
                             opts.replace, notify, progress)
     return replace(result, resumed_from=opts.resume)
 

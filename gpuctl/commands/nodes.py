@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from gpuctl.address import Address
 from gpuctl.commands import detached
 from gpuctl.commands.detached import LaunchResult, PendingStart
 from gpuctl.commands.fanout import Node, first_problem, on_each, on_nodes, settled
@@ -28,7 +29,6 @@ from gpuctl.commands.status import list_runs as list_one
 from gpuctl.commands.status import status as status_one
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
 from gpuctl.runs import Run, State
-from gpuctl.target import Target
 
 DEFAULT_MASTER_PORT = 29500
 UNDO_GRACE_S = 10.0  # a launch that failed on one node: how long the runs it started elsewhere get to stop
@@ -54,13 +54,13 @@ class ClusterLaunch:
         return any(r.run.state in (State.FAILED, State.KILLED, State.LOST) for r in self.results)
 
 
-def check_cluster_options(targets: list[Target], opts: LaunchOptions, master_addr: str | None,
+def check_cluster_options(addresses: list[Address], opts: LaunchOptions, master_addr: str | None,
                           master_port: int) -> None:
     """What a multi-node launch adds to a launch's checks (check_launch_options), before any connection (and
     what it cannot do yet)."""
     check_master_addr(master_addr)
     check_master_port(master_port)
-    if len(targets) < 2:
+    if len(addresses) < 2:
         raise usage_error("a multi-node run needs at least two nodes (one container is a plain launch)")
     if opts.retry:
         raise usage_error("--retry is not supported for multi-node runs yet: one node's restart cannot rejoin the "
@@ -88,7 +88,7 @@ def launch(nodes: list[Node], opts: LaunchOptions, master_addr: str | None, mast
     the next one free on every node. Should a node fail to start after that, or the launch be interrupted
     (Ctrl-C) while the nodes start, the runs started are killed. With --resume, every node continues its own run
     of one number (0: the latest, which must be the same run everywhere)."""
-    specs = tuple(node.target.spec() for node in nodes)
+    specs = tuple(node.address.spec() for node in nodes)
     roles = [NodeRole(rank=node.index, nodes=specs, master_port=master_port, master_addr=master_addr)
              for node in nodes]
     pending, checked = _begin_every(nodes, opts, roles, notify)
@@ -96,7 +96,7 @@ def launch(nodes: list[Node], opts: LaunchOptions, master_addr: str | None, mast
     addr = master_addr or pending[0].report.address
     if not addr:
         addr = "127.0.0.1"
-        notify(f"node 0 ({nodes[0].target.describe()}) has no address of its own (hostname -I says none): "
+        notify(f"node 0 ({nodes[0].address.describe()}) has no address of its own (hostname -I says none): "
                "MASTER_ADDR=127.0.0.1, which only the nodes on its host can reach; pass --master-addr")
     roles = [replace(role, master_addr=addr) for role in roles]
 
@@ -134,7 +134,7 @@ def _begin_every(nodes: list[Node], opts: LaunchOptions, roles: list[NodeRole],
     def begin(node: Node) -> PendingStart:
         checked[node.index] = completed(resuming(node.ct, opts))
         node_opts = replace(checked[node.index][0], node=roles[node.index])
-        return detached.begin(node.ct, launch_values(node.target, node_opts), node_opts.task.value,
+        return detached.begin(node.ct, launch_values(node.address, node_opts), node_opts.task.value,
                               node.say(notify))
 
     outcomes = on_nodes(nodes, begin)
@@ -190,13 +190,13 @@ class NodeStatus:
 
     def to_json(self) -> dict[str, Any]:
         run = self.run.to_json() if self.run else {}
-        return {"node": self.node.index, "target": self.node.target.spec(), "run_id": run.get("run_id"),
+        return {"node": self.node.index, "target": self.node.address.spec(), "run_id": run.get("run_id"),
                 "state": run.get("state"), "exit_code": run.get("exit_code"), "pid": run.get("pid"),
                 "started_at": run.get("started_at"), "log_path": run.get("log_path"), "progress": run.get("progress"),
                 "gpus": [g.to_json() for g in self.report.gpus] if self.report else [],
                 "container": ({"ctid": self.report.ctid, "status": self.report.container_status,
                                "host": self.report.host} if self.report else
-                              {"ctid": self.node.target.ct, "status": None, "host": self.node.target.host}),
+                              {"ctid": self.node.address.ct, "status": None, "host": self.node.address.host}),
                 "last_line": self.last_line(), "error": self.problem()}
 
     def last_line(self) -> str | None:
@@ -342,7 +342,7 @@ class ClusterRun:
         found = verdict([(node, run, None) for node, run in self.present])
         return dict(self.present[0][1].to_json(), state=found.state.value if found.state else None,
                     reason=found.reason, exit_code=found.exit_code([run for _, run in self.present]),
-                    nodes=[{"node": node.index, "target": node.target.spec(), "state": run.state.value,
+                    nodes=[{"node": node.index, "target": node.address.spec(), "state": run.state.value,
                             "exit_code": run.exit_code, "pid": run.record.get("pid"), "log_path": run.log_path}
                            for node, run in self.present])
 
@@ -367,13 +367,13 @@ def list_runs(nodes: list[Node]) -> ClusterRuns:
                         for n in numbers], errors)
 
 
-def plan_launch(targets: list[Target], opts: LaunchOptions, master_addr: str | None, master_port: int) -> str:
+def plan_launch(addresses: list[Address], opts: LaunchOptions, master_addr: str | None, master_port: int) -> str:
     """What `launch --node ... --dry-run` shows (checked options): each node's launch, as `launch --dry-run`
     shows one."""
-    specs = tuple(t.spec() for t in targets)
+    specs = tuple(t.spec() for t in addresses)
     plans = []
-    for rank, target in enumerate(targets):
+    for rank, address in enumerate(addresses):
         role = NodeRole(rank=rank, nodes=specs, master_port=master_port, master_addr=master_addr or "<node 0's address>")
-        plans.append(f"# node {rank} of {len(targets)}: {target.describe()}\n"
-                     + plan_one(target, replace(opts, node=role)))
+        plans.append(f"# node {rank} of {len(addresses)}: {address.describe()}\n"
+                     + plan_one(address, replace(opts, node=role)))
     return "\n".join(plans)

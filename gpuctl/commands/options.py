@@ -57,7 +57,7 @@ class NodeRole:
     torch.distributed's env:// variables, and what its run record says of the run's nodes."""
 
     rank: int  # the node's index, 0 = the first
-    nodes: tuple[str, ...]  # every node's target, node 0 first
+    nodes: tuple[str, ...]  # every node's address (as a TARGET), node 0 first
     master_port: int
     master_addr: str | None = None  # None: node 0's own address, which its launch script finds
 

@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from gpuctl.address import Address, AddressFlags, remember, remembered_nodes, resolve_nodes
+from gpuctl.address import resolve as resolve_address
 from gpuctl.commands import nodes as multi
 from gpuctl.commands.detached import LaunchResult
 from gpuctl.commands.fanout import Node
@@ -22,26 +24,24 @@ from gpuctl.commands.status import ContainerRuns, StatusReport, list_runs, statu
 from gpuctl.errors import usage_error
 from gpuctl.remote import ssh
 from gpuctl.remote.container import Container
-from gpuctl.target import Target, TargetFlags, remember, remembered_nodes, resolve_nodes
-from gpuctl.target import resolve as resolve_target
 
 
 @dataclass
 class One:
-    """One container: the target of the options, the environment, the last launch or config.toml."""
+    """One container: the address of the options, the environment, the last launch or config.toml."""
 
-    target: Target
+    address: Address
     ct: Container | None = None  # while connected
 
     def checked(self, opts: LaunchOptions) -> LaunchOptions:
         return check_launch_options(opts)
 
     def plan_launch(self, opts: LaunchOptions) -> str:
-        return plan_launch(self.target, opts)
+        return plan_launch(self.address, opts)
 
     @contextmanager
     def connected(self, stats: ssh.Stats | None) -> Iterator[One]:
-        with connected(self.target, stats) as self.ct:
+        with connected(self.address, stats) as self.ct:
             yield self
 
     @property
@@ -50,8 +50,8 @@ class One:
         return self.ct
 
     def launch(self, opts: LaunchOptions, notify: Notify, progress: Progress | None) -> LaunchResult:
-        result = launch(self.ct, self.target, opts, notify=notify, progress=progress)
-        remember(self.target)
+        result = launch(self.ct, self.address, opts, notify=notify, progress=progress)
+        remember(self.address)
         return result
 
     def status(self, number: int, reconnect: Notify | None = None) -> StatusReport:
@@ -61,16 +61,16 @@ class One:
         return status(self.ct, number)
 
     def runs(self) -> ContainerRuns:
-        return ContainerRuns(list_runs(self.ct), self.target.ct, self.target.host)
+        return ContainerRuns(list_runs(self.ct), self.address.ct, self.address.host)
 
     def kill(self, number: int, signal_name: str, grace: float, notify: Notify) -> Killed:
         return Killed([("", kill(self.ct, number, signal_name, grace, notify=notify))])
 
-    def log_source(self, node: int | None, number: int) -> tuple[Target, int]:
-        """The target and run number whose log `logs` reads (--node K is for a multi-node run)."""
+    def log_source(self, node: int | None, number: int) -> tuple[Address, int]:
+        """The address and run number whose log `logs` reads (--node K is for a multi-node run)."""
         if node:
             raise usage_error("--node K is for the nodes of a multi-node run (the last launch was not one)")
-        return self.target, number
+        return self.address, number
 
 
 @dataclass
@@ -78,7 +78,7 @@ class Nodes:
     """The nodes of a multi-node run, node 0 first: `launch --node`/`--cluster`'s, or the last launch's (with its
     run number, which `run` is then)."""
 
-    targets: list[Target]
+    addresses: list[Address]
     run: int = 0  # the remembered run's number; 0: none (a new launch)
     master_addr: str | None = None
     master_port: int = multi.DEFAULT_MASTER_PORT
@@ -86,15 +86,15 @@ class Nodes:
 
     def checked(self, opts: LaunchOptions) -> LaunchOptions:
         opts = check_launch_options(opts)
-        multi.check_cluster_options(self.targets, opts, self.master_addr, self.master_port)
+        multi.check_cluster_options(self.addresses, opts, self.master_addr, self.master_port)
         return opts
 
     def plan_launch(self, opts: LaunchOptions) -> str:
-        return multi.plan_launch(self.targets, opts, self.master_addr, self.master_port)
+        return multi.plan_launch(self.addresses, opts, self.master_addr, self.master_port)
 
     @contextmanager
     def connected(self, stats: ssh.Stats | None) -> Iterator[Nodes]:
-        with connected_nodes(self.targets, stats) as self.nodes:
+        with connected_nodes(self.addresses, stats) as self.nodes:
             yield self
 
     @property
@@ -103,7 +103,7 @@ class Nodes:
 
     def launch(self, opts: LaunchOptions, notify: Notify, progress: Progress | None) -> multi.ClusterLaunch:
         result = multi.launch(self.nodes, opts, self.master_addr, self.master_port, notify=notify)
-        remember(self.targets[0], nodes=self.targets, run=result.number)
+        remember(self.addresses[0], nodes=self.addresses, run=result.number)
         return result
 
     def status(self, number: int, reconnect: Notify | None = None) -> multi.ClusterStatus:
@@ -115,23 +115,23 @@ class Nodes:
     def kill(self, number: int, signal_name: str, grace: float, notify: Notify) -> Killed:
         return multi.kill(self.nodes, number or self.run, signal_name, grace, notify=notify)
 
-    def log_source(self, node: int | None, number: int) -> tuple[Target, int]:
-        if (node or 0) >= len(self.targets):
-            raise usage_error(f"--node {node}: the run has nodes 0 to {len(self.targets) - 1}")
-        return self.targets[node or 0], number or self.run
+    def log_source(self, node: int | None, number: int) -> tuple[Address, int]:
+        if (node or 0) >= len(self.addresses):
+            raise usage_error(f"--node {node}: the run has nodes 0 to {len(self.addresses) - 1}")
+        return self.addresses[node or 0], number or self.run
 
 
 Scope = One | Nodes
 
 
-def resolve(flags: TargetFlags) -> Scope:
+def resolve(flags: AddressFlags) -> Scope:
     """The last launch's nodes, when it was a multi-node run and no host, container or profile is asked for;
-    else the one target."""
+    else the one address."""
     remembered = remembered_nodes(flags)
-    return Nodes(*remembered) if remembered else One(resolve_target(flags))
+    return Nodes(*remembered) if remembered else One(resolve_address(flags))
 
 
-def resolve_launch(flags: TargetFlags, node: list[str] | None, cluster: str | None, resume: int | None,
+def resolve_launch(flags: AddressFlags, node: list[str] | None, cluster: str | None, resume: int | None,
                    master_addr: str | None, master_port: int | None) -> tuple[Scope, int | None]:
     """A launch's scope (--node/--cluster, else as `resolve`, one --node being one container) and the run it
     resumes (a bare --resume after a multi-node run: that run)."""
@@ -141,9 +141,9 @@ def resolve_launch(flags: TargetFlags, node: list[str] | None, cluster: str | No
         scope = resolve(flags)
         if isinstance(scope, Nodes) and resume == 0:
             resume = scope.run
-    if isinstance(scope, Nodes) and len(scope.targets) > 1:
+    if isinstance(scope, Nodes) and len(scope.addresses) > 1:
         port = multi.DEFAULT_MASTER_PORT if master_port is None else master_port
-        return Nodes(scope.targets, scope.run, master_addr, port), resume
+        return Nodes(scope.addresses, scope.run, master_addr, port), resume
     if master_addr is not None or master_port is not None:
         raise usage_error("--master-addr and --master-port are for a multi-node run (two --node or more)")
-    return (One(scope.targets[0]) if isinstance(scope, Nodes) else scope), resume
+    return (One(scope.addresses[0]) if isinstance(scope, Nodes) else scope), resume

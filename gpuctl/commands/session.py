@@ -9,12 +9,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Protocol, TypeVar
 
+from gpuctl.address import Address
 from gpuctl.errors import ExitCode, GpuctlError
 from gpuctl.remote import ssh
 from gpuctl.remote.container import Container
 from gpuctl.remote.protocol import Inspection
 from gpuctl.remote.ssh import ConnectionLost
-from gpuctl.target import Target
 
 Notify = Callable[[str], None]
 Write = Callable[[bytes], None]
@@ -40,10 +40,10 @@ RECONNECT_S = seconds("GPUCTL_RECONNECT_TIMEOUT", 60)  # a follower's time to ge
 
 
 @contextmanager
-def connected(target: Target, stats: ssh.Stats | None = None) -> Iterator[Container]:
+def connected(address: Address, stats: ssh.Stats | None = None) -> Iterator[Container]:
     """One SSH connection for the whole invocation (a follower may replace it after a drop); what it costs is
     counted in ct.session.stats (`stats`, when given)."""
-    ct = Container(session=ssh.connect(target, stats), target=target)
+    ct = Container(session=ssh.connect(address, stats), address=address)
     try:
         yield ct
     finally:

@@ -11,11 +11,11 @@ from typing import Any, Protocol, TypeVar
 
 from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
+from gpuctl.address import Address
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
 from gpuctl.remote import scripts, ssh
 from gpuctl.remote.protocol import ScriptExit, stderr_messages
 from gpuctl.remote.ssh import Completed, ConnectionLost, RemoteCommand, Session, Unreachable
-from gpuctl.target import Target
 
 RECORDS_DIR = "/workspace/.gpuctl"
 STAGE_DIR = "/root/gpuctl"
@@ -43,15 +43,15 @@ class ContainerNotRunning(GpuctlError):
 @dataclass
 class Container:
     session: Session
-    target: Target
+    address: Address
 
     @property
     def ctid(self) -> int:
-        return self.target.ct
+        return self.address.ct
 
     @property
     def host(self) -> str:
-        return self.target.host
+        return self.address.host
 
     def command(self) -> str:
         return scripts.render("pct_exec", ctid=self.ctid).strip()
@@ -96,7 +96,7 @@ class Container:
         @retry(stop=stop_after_delay(within_s), wait=wait_exponential(multiplier=0.1, max=2.0),
                retry=retry_if_exception_type((Unreachable, ConnectionLost)), reraise=True)
         def attempt() -> Session:
-            return ssh.connect(self.target, stats=self.session.stats)
+            return ssh.connect(self.address, stats=self.session.stats)
 
         self.session = attempt()
 

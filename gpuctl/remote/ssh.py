@@ -21,8 +21,8 @@ from pathlib import Path
 
 from typing_extensions import Self
 
+from gpuctl.address import Address, parse_address_arg
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
-from gpuctl.target import Target, parse_target_arg
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # cryptography's deprecation notices are not the user's business
@@ -97,16 +97,16 @@ def load_ssh_config(path: str | None) -> paramiko.SSHConfig:
     return paramiko.SSHConfig.from_path(str(config_path))
 
 
-def resolve_endpoint(target: Target) -> Endpoint:
-    """The target's endpoint: the command line's port, user and identity win over its ssh_config entry."""
-    config = load_ssh_config(target.ssh_config)
+def resolve_endpoint(address: Address) -> Endpoint:
+    """The address's endpoint: the command line's port, user and identity win over its ssh_config entry."""
+    config = load_ssh_config(address.ssh_config)
     identity = None
-    if target.identity:
-        identity = Path(target.identity).expanduser()
+    if address.identity:
+        identity = Path(address.identity).expanduser()
         if not identity.is_file():
             raise usage_error(f"--identity: no such key file: {identity}")
-    return _endpoint(config, target.host, port=target.port, user=target.user, identity=identity,
-                     accept_new=target.accept_new_host_key, hops=0)
+    return _endpoint(config, address.host, port=address.port, user=address.user, identity=identity,
+                     accept_new=address.accept_new_host_key, hops=0)
 
 
 def _endpoint(config: paramiko.SSHConfig, host: str, *, port: int | None, user: str | None,
@@ -134,7 +134,7 @@ def _jump_chain(config: paramiko.SSHConfig, spec: str, accept_new: bool, hops: i
     jump = None
     for hop in (h.strip() for h in spec.split(",")):
         try:
-            parts = parse_target_arg(hop.removeprefix("ssh://"))
+            parts = parse_address_arg(hop.removeprefix("ssh://"))
         except GpuctlError:
             raise usage_error(f"ssh_config ProxyJump: cannot read the hop {hop!r} ([USER@]HOST[:PORT])") from None
         if "ct" in parts:
@@ -382,14 +382,14 @@ def _login(endpoint: Endpoint, timeout: float, opened: list[paramiko.SSHClient])
     return client
 
 
-def connect(target: Target, stats: Stats | None = None) -> Session:
-    """Connect to the target. The session counts what it costs into `stats` when given (a reconnect passes the
+def connect(address: Address, stats: Stats | None = None) -> Session:
+    """Connect to the address. The session counts what it costs into `stats` when given (a reconnect passes the
     lost session's, so the counts go on), else into fresh Stats."""
-    endpoint = resolve_endpoint(target)
+    endpoint = resolve_endpoint(address)
     opened: list[paramiko.SSHClient] = []
     started = time.perf_counter()
     try:
-        client = _login(endpoint, target.connect_timeout, opened)
+        client = _login(endpoint, address.connect_timeout, opened)
     except BaseException:
         for client in reversed(opened):
             client.close()
@@ -397,7 +397,7 @@ def connect(target: Target, stats: Stats | None = None) -> Session:
     if stats is None:
         stats = Stats()
     stats.connect_s = time.perf_counter() - started
-    return Session(client, endpoint, target.connect_timeout, stats, jumps=opened[:-1])
+    return Session(client, endpoint, address.connect_timeout, stats, jumps=opened[:-1])
 
 
 def trace_line(stats: Stats) -> str:

@@ -332,7 +332,7 @@ def cluster_launch(out: Output, result: ClusterLaunch, as_json: bool, to_stderr:
         out.json_doc(dict(first.to_json(), state=state.value if state else None, reason=reason,
                       master_addr=result.master_addr, master_port=result.master_port, world_size=len(result.nodes),
                       staging=result.results[0].staging_json(),
-                      nodes=[dict(r.run.to_json(), node=node.index, target=node.target.spec(),
+                      nodes=[dict(r.run.to_json(), node=node.index, target=node.address.spec(),
                                   staging=r.staging_json()) for node, r in zip(result.nodes, result.results)]))
     console = out.console(stderr=to_stderr or as_json)
     resumed = result.results[0].resumed_from
@@ -340,7 +340,7 @@ def cluster_launch(out: Output, result: ClusterLaunch, as_json: bool, to_stderr:
                             f"{result.master_addr}:{result.master_port}{f', resuming tl{resumed}' if resumed else ''})"))
     for node, launched in zip(result.nodes, result.results):
         run = launched.run
-        console.print(Text.assemble(f"  node {node.index}: {node.target.describe()}: pid {run.record.get('pid')}, "
+        console.print(Text.assemble(f"  node {node.index}: {node.address.describe()}: pid {run.record.get('pid')}, "
                                 f"log {run.log_path}: ", state_text(run)))
         if launched.tail:
             out.message(f"node {node.index}: {run.run_id} ended during its start ({run.state.value}, exit "
@@ -356,7 +356,7 @@ def cluster_status_renderable(report: ClusterStatus) -> RenderableType:
     for name in ("node", "container", "state", "pid", "progress", "GPUs"):
         table.add_column(name, header_style="bold", no_wrap=name != "progress")
     for n in report.nodes:
-        where = n.node.target.describe()
+        where = n.node.address.describe()
         run, problem = n.run, n.problem()
         if run is None:
             table.add_row(str(n.node.index), where, Text(problem or "-", style="red"), "-", "-", "-")
@@ -381,7 +381,7 @@ def cluster_runs(out: Output, runs: list[ClusterRun], as_json: bool) -> None:
     for run in runs:
         first = run.present[0][1]
         state, reason = run.state()
-        nodes = ", ".join(f"{node.index}: {node.target.spec()} {r.state.value}" for node, r in run.present)
+        nodes = ", ".join(f"{node.index}: {node.address.spec()} {r.state.value}" for node, r in run.present)
         table.add_row(run.present[0][1].run_id, first.task, _state_label(state, reason), local_time(first.started_at),
                       duration(first.elapsed_s), nodes)
     console.print(table)

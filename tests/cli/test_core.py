@@ -1,4 +1,4 @@
-"""The core's pure parts, without a host: target resolution, script rendering, run states, remote output."""
+"""The core's pure parts, without a host: address resolution, script rendering, run states, remote output."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 import jinja2
 import pytest
 
-from gpuctl import commands, paths, target
+from gpuctl import address, commands, paths
 from gpuctl.errors import ExitCode, GpuctlError
 from gpuctl.remote import scripts, ssh
 from gpuctl.remote.protocol import (
@@ -39,26 +39,26 @@ def write_config(xdg, text: str) -> None:
 
 def test_resolution_order_flag_env_remembered_config(xdg):
     write_config(xdg, 'host = "cfg-host"\nct = 300\nuser = "cfg-user"\nport = 2200\n')
-    assert target.resolve(target.TargetFlags(), env={}) == target.Target(host="cfg-host", ct=300, user="cfg-user",
+    assert address.resolve(address.AddressFlags(), env={}) == address.Address(host="cfg-host", ct=300, user="cfg-user",
                                                                           port=2200)
-    target.remember(target.Target(host="cfg-host", ct=301, user="launch-user"))
-    remembered = target.resolve(target.TargetFlags(), env={})
+    address.remember(address.Address(host="cfg-host", ct=301, user="launch-user"))
+    remembered = address.resolve(address.AddressFlags(), env={})
     assert (remembered.ct, remembered.user, remembered.port) == (301, "launch-user", 2200)
-    from_env = target.resolve(target.TargetFlags(), env={"GPUCTL_CT": "302", "GPUCTL_USER": "env-user"})
+    from_env = address.resolve(address.AddressFlags(), env={"GPUCTL_CT": "302", "GPUCTL_USER": "env-user"})
     assert (from_env.ct, from_env.user) == (302, "env-user")
-    from_flag = target.resolve(target.TargetFlags(ct=303), env={"GPUCTL_CT": "302"})
+    from_flag = address.resolve(address.AddressFlags(ct=303), env={"GPUCTL_CT": "302"})
     assert from_flag.ct == 303
     # Another host: the remembered container is not carried over to it, the config's still is.
-    elsewhere = target.resolve(target.TargetFlags(host="other"), env={})
+    elsewhere = address.resolve(address.AddressFlags(host="other"), env={})
     assert (elsewhere.host, elsewhere.ct) == ("other", 300)
 
 
 def test_positional_target(xdg):
-    t = target.resolve(target.TargetFlags(target="me@pve1:2222/205"), env={})
+    t = address.resolve(address.AddressFlags(target="me@pve1:2222/205"), env={})
     assert (t.user, t.host, t.port, t.ct) == ("me", "pve1", 2222, 205)
-    assert target.resolve(target.TargetFlags(target="[::1]/205"), env={}).host == "::1"
+    assert address.resolve(address.AddressFlags(target="[::1]/205"), env={}).host == "::1"
     with pytest.raises(GpuctlError, match="TARGET says ct 205 but --ct says 206"):
-        target.resolve(target.TargetFlags(target="pve1/205", ct=206), env={})
+        address.resolve(address.AddressFlags(target="pve1/205", ct=206), env={})
 
 
 @pytest.mark.parametrize("env, message", [
@@ -68,14 +68,14 @@ def test_positional_target(xdg):
 ])
 def test_bad_target_values_are_usage_errors(xdg, env, message):
     with pytest.raises(GpuctlError, match=message) as e:
-        target.resolve(target.TargetFlags(), env=env)
+        address.resolve(address.AddressFlags(), env=env)
     assert e.value.code == ExitCode.USAGE
 
 
 def test_broken_config_file_is_a_usage_error(xdg):
     write_config(xdg, "host = [unterminated\n")
     with pytest.raises(GpuctlError, match="cannot read .*config.toml") as e:
-        target.resolve(target.TargetFlags(host="h", ct=200), env={})
+        address.resolve(address.AddressFlags(host="h", ct=200), env={})
     assert e.value.code == ExitCode.USAGE
 
 
@@ -103,7 +103,7 @@ def test_scripts_exit_with_the_one_definition_of_their_codes():
         {code.name for code in ScriptExit}
     rendered = (scripts.render("logs.sh", records_dir="/r", run_number=0, follow=False, lines=None, offset=0,
                                heartbeat_s=5)
-                + commands.plan_launch(target.Target(host="h", ct=200), commands.LaunchOptions())
+                + commands.plan_launch(address.Address(host="h", ct=200), commands.LaunchOptions())
                 + scripts.render("pull.sh", records_dir="/r", stage_dir="/s", what="export", skip="", run_number=0,
                                  reply_timeout=5))
     for code in ScriptExit:
@@ -180,29 +180,29 @@ def test_proxyjump_chains_resolve_through_ssh_config(tmp_path):
                       "Host hop2\n  HostName 10.0.0.3\n  User bob\n  ProxyJump ignored-when-chained\n"
                       "Host loop-a\n  ProxyJump loop-b\nHost loop-b\n  ProxyJump loop-a\n"
                       "Host piped\n  ProxyCommand nc %h %p\n")
-    endpoint = ssh.resolve_endpoint(target.Target(host="final", ct=200, ssh_config=str(config)))
+    endpoint = ssh.resolve_endpoint(address.Address(host="final", ct=200, ssh_config=str(config)))
     hops = []
     while endpoint:
         hops.append((endpoint.hostname, endpoint.port, endpoint.user))
         endpoint = endpoint.jump
     assert hops == [("10.0.0.5", 2222, "root"), ("10.0.0.3", 22, "bob"), ("hop1", 2200, "alice")]
     with pytest.raises(GpuctlError, match="more than 8 hops"):
-        ssh.resolve_endpoint(target.Target(host="loop-a", ct=200, ssh_config=str(config)))
+        ssh.resolve_endpoint(address.Address(host="loop-a", ct=200, ssh_config=str(config)))
     with pytest.raises(GpuctlError, match="ProxyCommand .* is not supported"):
-        ssh.resolve_endpoint(target.Target(host="piped", ct=200, ssh_config=str(config)))
+        ssh.resolve_endpoint(address.Address(host="piped", ct=200, ssh_config=str(config)))
 
 
 def test_profiles_count_where_they_are_named(xdg):
     write_config(xdg, 'host = "cfg-host"\nct = 300\n[profiles.a]\nhost = "a-host"\nct = 301\nuser = "a-user"\n'
                       '[profiles.b]\nct = 302\n')
-    assert target.resolve(target.TargetFlags(profile="a"), env={}).host == "a-host"
-    from_env = target.resolve(target.TargetFlags(), env={"GPUCTL_PROFILE": "a", "GPUCTL_CT": "310"})
+    assert address.resolve(address.AddressFlags(profile="a"), env={}).host == "a-host"
+    from_env = address.resolve(address.AddressFlags(), env={"GPUCTL_PROFILE": "a", "GPUCTL_CT": "310"})
     assert (from_env.host, from_env.ct, from_env.user) == ("a-host", 310, "a-user")  # the env's own value wins
-    flag_over_env = target.resolve(target.TargetFlags(profile="b"), env={"GPUCTL_CT": "310"})
+    flag_over_env = address.resolve(address.AddressFlags(profile="b"), env={"GPUCTL_CT": "310"})
     assert (flag_over_env.host, flag_over_env.ct) == ("cfg-host", 302)  # --profile beats the environment
-    assert target.resolve(target.TargetFlags(profile="a", ct=303), env={}).ct == 303
+    assert address.resolve(address.AddressFlags(profile="a", ct=303), env={}).ct == 303
     with pytest.raises(GpuctlError, match=r"no profile 'c' .*\(profiles: a, b\)"):
-        target.resolve(target.TargetFlags(profile="c"), env={})
+        address.resolve(address.AddressFlags(profile="c"), env={})
 
 
 def test_resume_takes_an_optional_run_number():
@@ -220,30 +220,30 @@ def test_nodes_from_options_profiles_and_clusters(xdg, monkeypatch, capsys):
     each node's rendezvous; bad node sets are one-line usage errors."""
     from gpuctl import cli
 
-    for var in target.ENV.values():
+    for var in address.ENV.values():
         monkeypatch.delenv(var, raising=False)
     write_config(xdg, 'user = "ada"\n[profiles.second]\nhost = "pve2"\nct = 201\nport = 2222\n'
                       '[clusters.big]\nnodes = ["pve1/200", "second"]\n[clusters.bad]\nnodes = "pve1/200"\n')
-    flags = target.TargetFlags(identity="/k")
-    nodes = target.resolve_nodes(flags, [], "big", env={})
+    flags = address.AddressFlags(identity="/k")
+    nodes = address.resolve_nodes(flags, [], "big", env={})
     assert [(t.host, t.ct, t.port, t.user, t.identity) for t in nodes] == [
         ("pve1", 200, None, "ada", "/k"), ("pve2", 201, 2222, "ada", "/k")]
     assert [t.spec() for t in nodes] == ["ada@pve1/200", "ada@pve2:2222/201"]
-    assert target.resolve_nodes(flags, ["pve1/200", "second"], None, env={}) == nodes
+    assert address.resolve_nodes(flags, ["pve1/200", "second"], None, env={}) == nodes
     for nodes_, cluster, message in ([["pve1"], None, "names no container"], [[], "nope", "no cluster 'nope'"],
                                      [[], "bad", "nodes must be a list"], [["a/200", "a/200"], None, "named twice"]):
         with pytest.raises(GpuctlError, match=message) as e:
-            target.resolve_nodes(target.TargetFlags(), nodes_, cluster, env={})
+            address.resolve_nodes(address.AddressFlags(), nodes_, cluster, env={})
         assert e.value.code == ExitCode.USAGE
     with pytest.raises(GpuctlError, match="leave out TARGET"):
-        target.resolve_nodes(target.TargetFlags(ct=300), ["a/200"], None, env={})
+        address.resolve_nodes(address.AddressFlags(ct=300), ["a/200"], None, env={})
 
-    target.remember(nodes[0], nodes=nodes, run=7)
-    assert target.remembered_nodes(target.TargetFlags(), env={}) == (nodes, 7)
-    assert target.remembered_nodes(target.TargetFlags(), env={"GPUCTL_CT": "300"}) is None  # one container asked for
-    assert target.resolve(target.TargetFlags(), env={}).ct == 200  # node 0, for the single-container commands
-    target.remember(nodes[1])  # a launch of one container forgets the set
-    assert target.remembered_nodes(target.TargetFlags(), env={}) is None
+    address.remember(nodes[0], nodes=nodes, run=7)
+    assert address.remembered_nodes(address.AddressFlags(), env={}) == (nodes, 7)
+    assert address.remembered_nodes(address.AddressFlags(), env={"GPUCTL_CT": "300"}) is None  # one container asked for
+    assert address.resolve(address.AddressFlags(), env={}).ct == 200  # node 0, for the single-container commands
+    address.remember(nodes[1])  # a launch of one container forgets the set
+    assert address.remembered_nodes(address.AddressFlags(), env={}) is None
 
     assert cli.run(["launch", "--cluster", "big", "--dry-run", "--env", "NCCL_SOCKET_IFNAME=eth0",
                     "--master-port", "29600"]) == 0

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import gpuctl as gpuctl_package
-from gpuctl.target import tomllib
+from gpuctl.address import tomllib
 from tests.cli.conftest import REPO, Output
 from tests.cli.test_lifecycle import LONG, wait_for_state
 

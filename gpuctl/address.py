@@ -1,13 +1,14 @@
-"""Which host and container a command talks to (ARCHITECTURE §2).
+"""Which host and container a command talks to, its address (ARCHITECTURE §2).
 
+The CLI calls it the TARGET; in code it is an Address (in the trainer "target" is the frozen language model).
 Each field comes from the first source that has it: the command-line flag (or the positional TARGET), then the
-GPUCTL_* environment, then the target of the last successful launch (only while no other host was asked for),
+GPUCTL_* environment, then the address of the last successful launch (only while no other host was asked for),
 then $XDG_CONFIG_HOME/gpuctl/config.toml. A profile of config.toml (`[profiles.NAME]`, chosen with --profile or
 GPUCTL_PROFILE) counts as given where it was named, below that level's own values.
 
 A multi-node run's nodes (`launch --node TARGET`..., or `--cluster NAME`: config.toml's `[clusters.NAME] nodes =
-[...]`) are targets each; after its launch the remembered target is the whole set of nodes (resolve_nodes), until a
-host or container is asked for.
+[...]`) are addresses each; after its launch the remembered address is the whole set of nodes (resolve_nodes),
+until a host or container is asked for.
 """
 
 from __future__ import annotations
@@ -33,15 +34,15 @@ DEFAULT_CONNECT_TIMEOUT = 10.0
 ENV = {"host": "GPUCTL_HOST", "port": "GPUCTL_PORT", "user": "GPUCTL_USER", "identity": "GPUCTL_IDENTITY",
        "ct": "GPUCTL_CT", "ssh_config": "GPUCTL_SSH_CONFIG"}
 REMEMBERED = "target.json"
-TARGET_RE = re.compile(r"^(?:(?P<user>[^@/\s]+)@)?(?P<host>\[[0-9a-fA-F:.]+\]|[^@/:\s\[\]]+)"
+ADDRESS_RE = re.compile(r"^(?:(?P<user>[^@/\s]+)@)?(?P<host>\[[0-9a-fA-F:.]+\]|[^@/:\s\[\]]+)"
                        r"(?::(?P<port>[^/]*))?(?:/(?P<ct>.*))?$")
 
 
 @dataclass(frozen=True)
-class TargetFlags:
+class AddressFlags:
     """What the command line said; None where it said nothing."""
 
-    target: str | None = None
+    target: str | None = None  # the positional TARGET as typed: [USER@]HOST[:PORT][/CTID]
     host: str | None = None
     port: int | None = None
     user: str | None = None
@@ -54,7 +55,7 @@ class TargetFlags:
 
 
 @dataclass(frozen=True)
-class Target:
+class Address:
     host: str  # an address, a name or an ssh_config alias
     ct: int
     port: int | None = None  # None: ssh_config's Port, else 22
@@ -87,9 +88,9 @@ def parse_port(value: Any, source: str) -> int:
     return int(text)
 
 
-def parse_target_arg(text: str) -> dict[str, Any]:
+def parse_address_arg(text: str) -> dict[str, Any]:
     """`[USER@]HOST[:PORT][/CTID]`, e.g. `root@pve1:2222/200` or `pve1/200`."""
-    m = TARGET_RE.match(text)
+    m = ADDRESS_RE.match(text)
     if not m:
         raise usage_error(f"TARGET must look like [USER@]HOST[:PORT][/CTID], got {text!r}")
     found: dict[str, Any] = {"host": m["host"].strip("[]")}
@@ -119,10 +120,10 @@ def _validated(layer: dict[str, Any], source: str) -> dict[str, Any]:
     return out
 
 
-def _from_flags(flags: TargetFlags) -> dict[str, Any]:
+def _from_flags(flags: AddressFlags) -> dict[str, Any]:
     layer = {k: getattr(flags, k) for k in ("host", "port", "user", "identity", "ct", "ssh_config")}
     if flags.target:
-        for key, value in parse_target_arg(flags.target).items():
+        for key, value in parse_address_arg(flags.target).items():
             if layer[key] is not None and layer[key] != value:
                 raise usage_error(f"TARGET says {key} {value!r} but --{key.replace('_', '-')} says {layer[key]!r}")
             layer[key] = value
@@ -176,7 +177,7 @@ def _remembered() -> dict[str, Any]:
         return {}  # nothing remembered yet, or an unreadable file: it is only a convenience
 
 
-def resolve(flags: TargetFlags, env: dict[str, str] | None = None) -> Target:
+def resolve(flags: AddressFlags, env: dict[str, str] | None = None) -> Address:
     env = dict(os.environ) if env is None else env
     config = _read_config()
     env_layer = _profile(config, env.get("GPUCTL_PROFILE"), "GPUCTL_PROFILE") | _from_env(env)
@@ -185,10 +186,10 @@ def resolve(flags: TargetFlags, env: dict[str, str] | None = None) -> Target:
     remembered = _remembered()
     if "host" in explicit and remembered.get("host") != explicit["host"]:
         remembered = {}  # another host was asked for: its container number means nothing there
-    return _target(_from_config(config) | remembered | explicit, flags)
+    return _address(_from_config(config) | remembered | explicit, flags)
 
 
-def _target(merged: dict[str, Any], flags: TargetFlags) -> Target:
+def _address(merged: dict[str, Any], flags: AddressFlags) -> Address:
     timeout = flags.connect_timeout if flags.connect_timeout is not None else merged.get("connect_timeout")
     if "host" not in merged:
         raise usage_error("no host: pass --host HOST (or TARGET, or set GPUCTL_HOST)")
@@ -196,9 +197,9 @@ def _target(merged: dict[str, Any], flags: TargetFlags) -> Target:
         raise usage_error("no container: pass --ct CTID (or HOST/CTID as TARGET, or set GPUCTL_CT)")
     if timeout is not None and timeout <= 0:
         raise usage_error(f"--connect-timeout must be positive, got {timeout}")
-    known = {f.name for f in fields(Target)}
-    target = Target(**{k: v for k, v in merged.items() if k in known})
-    return replace(target, accept_new_host_key=flags.accept_new_host_key,
+    known = {f.name for f in fields(Address)}
+    address = Address(**{k: v for k, v in merged.items() if k in known})
+    return replace(address, accept_new_host_key=flags.accept_new_host_key,
                    connect_timeout=timeout or DEFAULT_CONNECT_TIMEOUT)
 
 
@@ -206,28 +207,28 @@ def _target(merged: dict[str, Any], flags: TargetFlags) -> Target:
 NODE_KEYS = ("identity", "ssh_config", "user", "port")
 
 
-def _node(spec: str, config: dict[str, Any], common: dict[str, Any], flags: TargetFlags) -> Target:
+def _node(spec: str, config: dict[str, Any], common: dict[str, Any], flags: AddressFlags) -> Address:
     """One node of a multi-node run: a profile name of config.toml, else [USER@]HOST[:PORT]/CTID."""
     profiles = config.get("profiles")
     if isinstance(profiles, dict) and spec in profiles:
         own = _profile(config, spec, f"node {spec!r}")
     else:
-        own = _validated(parse_target_arg(spec), f"node {spec!r}")
+        own = _validated(parse_address_arg(spec), f"node {spec!r}")
     if "host" not in own or "ct" not in own:
         raise usage_error(f"node {spec!r} names no {'container' if 'host' in own else 'host'}: a node is "
                           "[USER@]HOST[:PORT]/CTID or a profile of config.toml with host and ct")
-    return _target(_from_config(config) | common | own, flags)
+    return _address(_from_config(config) | common | own, flags)
 
 
-def _common(flags: TargetFlags, env: dict[str, str]) -> dict[str, Any]:
+def _common(flags: AddressFlags, env: dict[str, str]) -> dict[str, Any]:
     """What applies to every node: the target options (and GPUCTL_*) that name no host or container."""
     layer = _from_env(env) | _validated({k: getattr(flags, k) for k in NODE_KEYS}, "command line")
     return {k: v for k, v in layer.items() if k in NODE_KEYS}
 
 
-def resolve_nodes(flags: TargetFlags, nodes: list[str], cluster: str | None,
-                  env: dict[str, str] | None = None) -> list[Target]:
-    """The targets of `launch --node TARGET...` (node 0 first) or `--cluster NAME`."""
+def resolve_nodes(flags: AddressFlags, nodes: list[str], cluster: str | None,
+                  env: dict[str, str] | None = None) -> list[Address]:
+    """The addresses of `launch --node TARGET...` (node 0 first) or `--cluster NAME`."""
     env = dict(os.environ) if env is None else env
     if flags.target or flags.host or flags.ct or flags.profile:
         raise usage_error("--node and --cluster name the containers: leave out TARGET, --host, --ct and --profile")
@@ -245,18 +246,18 @@ def resolve_nodes(flags: TargetFlags, nodes: list[str], cluster: str | None,
             raise usage_error(f"cluster {cluster!r} in {paths.config_file()}: nodes must be a list of targets or "
                               "profile names")
     common = _common(flags, env)
-    targets = [_node(spec, config, common, flags) for spec in nodes]
+    addresses = [_node(spec, config, common, flags) for spec in nodes]
     seen = set()
-    for t in targets:
+    for t in addresses:
         if (t.host, t.port, t.ct) in seen:
             raise usage_error(f"{t.describe()} is named twice: each node is a container of its own")
         seen.add((t.host, t.port, t.ct))
-    return targets
+    return addresses
 
 
-def remembered_nodes(flags: TargetFlags, env: dict[str, str] | None = None) -> tuple[list[Target], int] | None:
+def remembered_nodes(flags: AddressFlags, env: dict[str, str] | None = None) -> tuple[list[Address], int] | None:
     """The last launch's nodes and run number, when it was a multi-node run and no host, container or profile is
-    asked for (by the command line or GPUCTL_*); None otherwise (then `resolve` gives the one target)."""
+    asked for (by the command line or GPUCTL_*); None otherwise (then `resolve` gives the one address)."""
     env = dict(os.environ) if env is None else env
     if flags.target or flags.host or flags.ct or flags.profile or any(
             env.get(var) for var in ("GPUCTL_HOST", "GPUCTL_CT", "GPUCTL_PROFILE")):
@@ -268,23 +269,23 @@ def remembered_nodes(flags: TargetFlags, env: dict[str, str] | None = None) -> t
         # A node's own user and port stay its own; the key and ssh_config asked for now apply to every node.
         below = {k: v for k, v in common.items() if k in ("user", "port")}
         above = {k: v for k, v in common.items() if k not in below}
-        return [_target(below | _validated(node, "remembered node") | above, flags) for node in nodes], number
+        return [_address(below | _validated(node, "remembered node") | above, flags) for node in nodes], number
     except (OSError, ValueError, KeyError, TypeError, GpuctlError):
-        return None  # a single target remembered, or nothing: resolve() goes on as before
+        return None  # a single address remembered, or nothing: resolve() goes on as before
 
 
-def _kept(target: Target) -> dict[str, Any]:
-    keep = {k: v for k, v in asdict(target).items() if k in ENV and v is not None}
+def _kept(address: Address) -> dict[str, Any]:
+    keep = {k: v for k, v in asdict(address).items() if k in ENV and v is not None}
     if keep.get("ssh_config"):
         keep["ssh_config"] = str(Path(keep["ssh_config"]).expanduser().resolve())
     return keep
 
 
-def remember(target: Target, nodes: list[Target] | None = None, run: int | None = None) -> None:
-    """Keep the target of a successful launch so the next command needs no flags; for a multi-node run, every
-    node and the run's number (node 0 is also the target the other layers read)."""
+def remember(address: Address, nodes: list[Address] | None = None, run: int | None = None) -> None:
+    """Keep the address of a successful launch so the next command needs no flags; for a multi-node run, every
+    node and the run's number (node 0 is also the address the other layers read)."""
     path = paths.state_dir() / REMEMBERED
-    keep = _kept(target)
+    keep = _kept(address)
     if nodes:
         keep.update(nodes=[_kept(node) for node in nodes], run=run)
     path.parent.mkdir(parents=True, exist_ok=True)
