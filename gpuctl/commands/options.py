@@ -10,6 +10,7 @@ from enum import Enum
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from gpuctl.config_schema import check_config
 from gpuctl.errors import usage_error
 from gpuctl.remote.container import STAGE_DIR
 
@@ -93,6 +94,8 @@ def check_launch_options(opts: LaunchOptions) -> LaunchOptions:
         raise usage_error("--config and --python must not be empty")
     if opts.python is not None:
         check_python(opts.python)
+    if opts.resume is None:  # a resumed run's config and sets are checked once its record is read (resume.py)
+        check_trainer_config(opts)
     return replace(opts, workdir=opts.workdir and _remote_dir(opts.workdir, "--workdir"),
                    log_dir=opts.log_dir and _remote_dir(opts.log_dir, "--log-dir"), sets=list(opts.sets),
                    env=list(opts.env))
@@ -108,6 +111,15 @@ def completed(opts: LaunchOptions) -> tuple[LaunchOptions, Path | None]:
     return replace(opts, task=task, config=f"{STAGE_DIR}/configs/{local.name}" if config_file else config,
                    workdir=opts.workdir or DEFAULTS["workdir"], log_dir=opts.log_dir or DEFAULTS["log_dir"]), \
         config_file
+
+
+def check_trainer_config(opts: LaunchOptions) -> None:
+    """The preset or local config file and the --set values, against the trainer's schema (gpuctl.config_schema),
+    before anything is sent: a typo is exit 2 here, not a run number used up in the container. A resumed run's
+    staged config file is the container's copy: its --set values are checked, not the file."""
+    task = LaunchTask(opts.task or LaunchTask.TRAIN)
+    config = opts.config or TASK_CONFIGS[task]
+    check_config(task.value, None if config.startswith(f"{STAGE_DIR}/") else config, opts.sets)
 
 
 def check_env(items: list[str]) -> list[tuple[str, str]]:

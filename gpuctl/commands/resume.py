@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import PurePosixPath
 from typing import Any
 
-from gpuctl.commands.options import LaunchOptions, LaunchTask
+from gpuctl.commands.options import LaunchOptions, LaunchTask, check_trainer_config
 from gpuctl.commands.session import inspect
 from gpuctl.errors import usage_error
 from gpuctl.remote.container import Container
@@ -20,7 +20,9 @@ def resuming(ct: Container, opts: LaunchOptions) -> LaunchOptions:
     if opts.resume is None:
         return opts
     resumed = _resumable(ct, opts.resume, opts.task)
-    return resume_options(replace(opts, resume=resumed.number), resumed.record)
+    opts = resume_options(replace(opts, resume=resumed.number), resumed.record)
+    check_trainer_config(opts)  # the run's own config and sets, with the command line's, before anything is sent
+    return opts
 
 
 def _resumable(ct: Container, number: int, task: LaunchTask | None) -> Run:

@@ -263,6 +263,12 @@ class StandInHost:
         """The host path of a path inside the container."""
         return self.ct_dir(ctid) / "rootfs" / path.lstrip("/")
 
+    def pct_calls(self, ctid: int) -> list[list[str]]:
+        """Every pct call made for container ctid (its argv), in order: the stand-in's pct logs each."""
+        log = self.root / "pct.log"
+        calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+        return [argv for argv in calls if argv[1:2] == [str(ctid)]]
+
     def pct(self, *args: str) -> subprocess.CompletedProcess:
         """Run the stand-in pct directly (not over ssh), e.g. to stop a container."""
         return subprocess.run([str(self.root / "bin" / "pct"), *args], check=False, capture_output=True, text=True)
