@@ -45,6 +45,10 @@ class LaunchOptions:
     task: LaunchTask | None = None  # None: the resumed run's task, else train
     env: list[str] = field(default_factory=list)  # KEY=VALUE: environment for the trainer (--env)
     node: NodeRole | None = None  # one node of a multi-node run (gpuctl.commands.nodes); None: a run of its own
+    # A multi-node run's --master-addr/--master-port; None: the resumed run's (its record's), else node 0's
+    # address and 29500.
+    master_addr: str | None = None
+    master_port: int | None = None
 
 
 # torch.distributed's env:// variables: gpuctl sets them for a multi-node run, --env may not.
@@ -67,7 +71,10 @@ class NodeRole:
         return [(key, str(value)) for key, value in zip(RENDEZVOUS_KEYS, values)]
 
     def record_fields(self) -> dict[str, Any]:
-        return {"node": self.rank, "nodes": list(self.nodes), "master_port": self.master_port}
+        """A --master-addr given (or resumed) is recorded too, so a --resume keeps it; node 0's own address is
+        found again."""
+        fields = {"node": self.rank, "nodes": list(self.nodes), "master_port": self.master_port}
+        return fields | ({"master_addr": self.master_addr} if self.master_addr else {})
 
 
 def _remote_dir(value: str, option: str) -> str:

@@ -42,13 +42,16 @@ def _resumable(ct: Container, number: int, task: LaunchTask | None) -> Run:
 
 
 def resume_options(opts: LaunchOptions, record: dict[str, Any]) -> LaunchOptions:
-    """A resumed run: the run's own task, config, sets, interpreter, directories; what the command line gives
-    wins, and its --set values come after the run's (so they override them)."""
+    """A resumed run: the run's own task, config, sets, interpreter, directories, --env values and (a
+    multi-node run's) rendezvous; what the command line gives wins, and its --set values come after the run's (so
+    they override them)."""
     log_path = record.get("log_path") or ""
     return replace(opts, task=LaunchTask(record.get("task") or LaunchTask.TRAIN),
                    config=opts.config or record.get("config"),
                    sets=[*record.get("sets", []), *opts.sets], python=opts.python or record.get("python"),
                    env=[*record.get("env", []), *opts.env],
                    workdir=opts.workdir or record.get("workdir"),
+                   master_addr=opts.master_addr or record.get("master_addr"),
+                   master_port=opts.master_port or record.get("master_port"),
                    log_dir=opts.log_dir or (str(PurePosixPath(log_path).parent) if log_path else None))
 
