@@ -24,21 +24,6 @@ from tests.sandbox.host import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 _ctids = itertools.count(200)
-# The stand-in trainer's own `--set fake.KEY=VALUE` options (tests/sandbox/fake_trainer.py), which gpuctl checks
-# like any key: the tests' schema is the trainer's with these added, of any scalar type.
-FAKE_KEYS = ("steps", "step_s", "exit", "child", "ignore_term", "term_exit", "save_every", "weights_bytes",
-             "state_bytes", "export", "require", "exit_seq", "env", "fail_rank")
-ANY_SCALAR = {"type": {"union": ["int", "float", "bool", "str"]}, "name": "a fake trainer option"}
-
-
-def schema_with_fake_keys(source: Path, dest: Path) -> Path:
-    """The trainer's config schema of `source` with the fake trainer's keys added to every task, written to dest
-    (gpuctl reads it through GPUCTL_CONFIG_SCHEMA)."""
-    schema = json.loads((source / "training" / "config_schema.json").read_text())
-    for task in schema["tasks"].values():
-        task["keys"].update({f"fake.{key}": ANY_SCALAR for key in FAKE_KEYS})
-    dest.write_text(json.dumps(schema))
-    return dest
 
 
 @dataclass
@@ -119,7 +104,6 @@ class Gpuctl:
                     if not k.startswith(("GPUCTL_", "SSH_", "XDG_", "FORCE_COLOR", "TTY_"))}
         self.env.update(HOME=str(home), XDG_STATE_HOME=str(home / "state"), XDG_CONFIG_HOME=str(home / "config"),
                         PYTHONPATH=str(source), NO_COLOR="1", **host.env(ctid))
-        self.env["GPUCTL_CONFIG_SCHEMA"] = str(schema_with_fake_keys(source, home / f"schema-{id(self)}.json"))
 
     def __call__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 120) -> Result:
         proc = subprocess.run([sys.executable, "-m", "gpuctl", *args], cwd=self.source, env=self.env | (env or {}),
