@@ -28,3 +28,13 @@ def templates_dir() -> Path:
 
 def training_dir() -> Path:
     return _bundled("training")
+
+
+def config_schema_file() -> Path:
+    """The trainer's config schema (training/config_schema.json, generated from its config dataclasses);
+    GPUCTL_CONFIG_SCHEMA names another (a trainer of one's own, or the tests' stand-in trainer)."""
+    return Path(os.environ.get("GPUCTL_CONFIG_SCHEMA") or training_dir() / "config_schema.json")
+
+
+def presets_dir() -> Path:
+    return training_dir() / "presets"

@@ -55,11 +55,12 @@ class ClusterLaunch:
 
 
 def check_cluster_options(addresses: list[Address], opts: LaunchOptions, master_addr: str | None,
-                          master_port: int) -> None:
+                          master_port: int | None) -> None:
     """What a multi-node launch adds to a launch's checks (check_launch_options), before any connection (and
     what it cannot do yet)."""
     check_master_addr(master_addr)
-    check_master_port(master_port)
+    if master_port is not None:
+        check_master_port(master_port)
     if len(addresses) < 2:
         raise usage_error("a multi-node run needs at least two nodes (one container is a plain launch)")
     if opts.retry:
@@ -80,25 +81,28 @@ def check_master_addr(addr: str | None) -> None:
         raise usage_error(f"--master-addr takes an address or host name, got {addr!r}")
 
 
-def launch(nodes: list[Node], opts: LaunchOptions, master_addr: str | None, master_port: int,
+def launch(nodes: list[Node], opts: LaunchOptions, master_addr: str | None, master_port: int | None,
            notify: Notify) -> ClusterLaunch:
     """One run on every node, all or nothing, with checked options: every node's launch lock is taken and its
     state read (in parallel) before any node is told to start; a node that refuses (unreachable, container
     stopped, locked, an active run) makes every other give its lock back with nothing started. The run number is
     the next one free on every node. Should a node fail to start after that, or the launch be interrupted
     (Ctrl-C) while the nodes start, the runs started are killed. With --resume, every node continues its own run
-    of one number (0: the latest, which must be the same run everywhere)."""
+    of one number (0: the latest, which must be the same run everywhere), with its master address and port
+    unless given now."""
     specs = tuple(node.address.spec() for node in nodes)
-    roles = [NodeRole(rank=node.index, nodes=specs, master_port=master_port, master_addr=master_addr)
-             for node in nodes]
+    roles = [NodeRole(rank=node.index, nodes=specs, master_port=DEFAULT_MASTER_PORT) for node in nodes]
+    opts = replace(opts, master_addr=master_addr, master_port=master_port)
     pending, checked = _begin_every(nodes, opts, roles, notify)
     number = max(p.report.last_number or 0 for p in pending) + 1
-    addr = master_addr or pending[0].report.address
+    first = checked[0][0]  # node 0's options: the rendezvous given, or its resumed run's
+    master_port = first.master_port or DEFAULT_MASTER_PORT
+    addr = first.master_addr or pending[0].report.address
     if not addr:
         addr = "127.0.0.1"
         notify(f"node 0 ({nodes[0].address.describe()}) has no address of its own (hostname -I says none): "
                "MASTER_ADDR=127.0.0.1, which only the nodes on its host can reach; pass --master-addr")
-    roles = [replace(role, master_addr=addr) for role in roles]
+    roles = [replace(role, master_addr=addr, master_port=master_port) for role in roles]
 
     def start(node: Node) -> LaunchResult:
         node_opts, config_file = checked[node.index]
@@ -133,7 +137,9 @@ def _begin_every(nodes: list[Node], opts: LaunchOptions, roles: list[NodeRole],
 
     def begin(node: Node) -> PendingStart:
         checked[node.index] = completed(resuming(node.ct, opts))
-        node_opts = replace(checked[node.index][0], node=roles[node.index])
+        given = checked[node.index][0]
+        node_opts = replace(given, node=replace(roles[node.index], master_addr=given.master_addr,
+                                                 master_port=given.master_port or DEFAULT_MASTER_PORT))
         return detached.begin(node.ct, launch_values(node.address, node_opts), node_opts.task.value,
                               node.say(notify))
 
@@ -367,13 +373,15 @@ def list_runs(nodes: list[Node]) -> ClusterRuns:
                         for n in numbers], errors)
 
 
-def plan_launch(addresses: list[Address], opts: LaunchOptions, master_addr: str | None, master_port: int) -> str:
+def plan_launch(addresses: list[Address], opts: LaunchOptions, master_addr: str | None,
+                master_port: int | None) -> str:
     """What `launch --node ... --dry-run` shows (checked options): each node's launch, as `launch --dry-run`
     shows one."""
     specs = tuple(t.spec() for t in addresses)
     plans = []
     for rank, address in enumerate(addresses):
-        role = NodeRole(rank=rank, nodes=specs, master_port=master_port, master_addr=master_addr or "<node 0's address>")
+        role = NodeRole(rank=rank, nodes=specs, master_port=master_port or DEFAULT_MASTER_PORT,
+                        master_addr=master_addr or "<node 0's address>")
         plans.append(f"# node {rank} of {len(addresses)}: {address.describe()}\n"
                      + plan_one(address, replace(opts, node=role)))
     return "\n".join(plans)

@@ -10,6 +10,7 @@ from enum import Enum
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from gpuctl.config_schema import check_config
 from gpuctl.errors import usage_error
 from gpuctl.remote.container import STAGE_DIR
 
@@ -44,6 +45,10 @@ class LaunchOptions:
     task: LaunchTask | None = None  # None: the resumed run's task, else train
     env: list[str] = field(default_factory=list)  # KEY=VALUE: environment for the trainer (--env)
     node: NodeRole | None = None  # one node of a multi-node run (gpuctl.commands.nodes); None: a run of its own
+    # A multi-node run's --master-addr/--master-port; None: the resumed run's (its record's), else node 0's
+    # address and 29500.
+    master_addr: str | None = None
+    master_port: int | None = None
 
 
 # torch.distributed's env:// variables: gpuctl sets them for a multi-node run, --env may not.
@@ -66,7 +71,10 @@ class NodeRole:
         return [(key, str(value)) for key, value in zip(RENDEZVOUS_KEYS, values)]
 
     def record_fields(self) -> dict[str, Any]:
-        return {"node": self.rank, "nodes": list(self.nodes), "master_port": self.master_port}
+        """A --master-addr given (or resumed) is recorded too, so a --resume keeps it; node 0's own address is
+        found again."""
+        fields = {"node": self.rank, "nodes": list(self.nodes), "master_port": self.master_port}
+        return fields | ({"master_addr": self.master_addr} if self.master_addr else {})
 
 
 def _remote_dir(value: str, option: str) -> str:
@@ -93,6 +101,8 @@ def check_launch_options(opts: LaunchOptions) -> LaunchOptions:
         raise usage_error("--config and --python must not be empty")
     if opts.python is not None:
         check_python(opts.python)
+    if opts.resume is None:  # a resumed run's config and sets are checked once its record is read (resume.py)
+        check_trainer_config(opts)
     return replace(opts, workdir=opts.workdir and _remote_dir(opts.workdir, "--workdir"),
                    log_dir=opts.log_dir and _remote_dir(opts.log_dir, "--log-dir"), sets=list(opts.sets),
                    env=list(opts.env))
@@ -108,6 +118,15 @@ def completed(opts: LaunchOptions) -> tuple[LaunchOptions, Path | None]:
     return replace(opts, task=task, config=f"{STAGE_DIR}/configs/{local.name}" if config_file else config,
                    workdir=opts.workdir or DEFAULTS["workdir"], log_dir=opts.log_dir or DEFAULTS["log_dir"]), \
         config_file
+
+
+def check_trainer_config(opts: LaunchOptions) -> None:
+    """The preset or local config file and the --set values, against the trainer's schema (gpuctl.config_schema),
+    before anything is sent: a typo is exit 2 here, not a run number used up in the container. A resumed run's
+    staged config file is the container's copy: its --set values are checked, not the file."""
+    task = LaunchTask(opts.task or LaunchTask.TRAIN)
+    config = opts.config or TASK_CONFIGS[task]
+    check_config(task.value, None if config.startswith(f"{STAGE_DIR}/") else config, opts.sets)
 
 
 def check_env(items: list[str]) -> list[tuple[str, str]]:

@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import PurePosixPath
 from typing import Any
 
-from gpuctl.commands.options import LaunchOptions, LaunchTask
+from gpuctl.commands.options import LaunchOptions, LaunchTask, check_trainer_config
 from gpuctl.commands.session import inspect
 from gpuctl.errors import usage_error
 from gpuctl.remote.container import Container
@@ -20,7 +20,9 @@ def resuming(ct: Container, opts: LaunchOptions) -> LaunchOptions:
     if opts.resume is None:
         return opts
     resumed = _resumable(ct, opts.resume, opts.task)
-    return resume_options(replace(opts, resume=resumed.number), resumed.record)
+    opts = resume_options(replace(opts, resume=resumed.number), resumed.record)
+    check_trainer_config(opts)  # the run's own config and sets, with the command line's, before anything is sent
+    return opts
 
 
 def _resumable(ct: Container, number: int, task: LaunchTask | None) -> Run:
@@ -40,13 +42,16 @@ def _resumable(ct: Container, number: int, task: LaunchTask | None) -> Run:
 
 
 def resume_options(opts: LaunchOptions, record: dict[str, Any]) -> LaunchOptions:
-    """A resumed run: the run's own task, config, sets, interpreter, directories; what the command line gives
-    wins, and its --set values come after the run's (so they override them)."""
+    """A resumed run: the run's own task, config, sets, interpreter, directories, --env values and (a
+    multi-node run's) rendezvous; what the command line gives wins, and its --set values come after the run's (so
+    they override them)."""
     log_path = record.get("log_path") or ""
     return replace(opts, task=LaunchTask(record.get("task") or LaunchTask.TRAIN),
                    config=opts.config or record.get("config"),
                    sets=[*record.get("sets", []), *opts.sets], python=opts.python or record.get("python"),
                    env=[*record.get("env", []), *opts.env],
                    workdir=opts.workdir or record.get("workdir"),
+                   master_addr=opts.master_addr or record.get("master_addr"),
+                   master_port=opts.master_port or record.get("master_port"),
                    log_dir=opts.log_dir or (str(PurePosixPath(log_path).parent) if log_path else None))
 

@@ -80,8 +80,8 @@ class Nodes:
 
     addresses: list[Address]
     run: int = 0  # the remembered run's number; 0: none (a new launch)
-    master_addr: str | None = None
-    master_port: int = multi.DEFAULT_MASTER_PORT
+    master_addr: str | None = None  # None: a resumed run's, else node 0's own address
+    master_port: int | None = None  # None: a resumed run's, else multi.DEFAULT_MASTER_PORT
     nodes: list[Node] = field(default_factory=list)  # while connected
 
     def checked(self, opts: LaunchOptions) -> LaunchOptions:
@@ -142,8 +142,7 @@ def resolve_launch(flags: AddressFlags, node: list[str] | None, cluster: str | N
         if isinstance(scope, Nodes) and resume == 0:
             resume = scope.run
     if isinstance(scope, Nodes) and len(scope.addresses) > 1:
-        port = multi.DEFAULT_MASTER_PORT if master_port is None else master_port
-        return Nodes(scope.addresses, scope.run, master_addr, port), resume
+        return Nodes(scope.addresses, scope.run, master_addr, master_port), resume
     if master_addr is not None or master_port is not None:
         raise usage_error("--master-addr and --master-port are for a multi-node run (two --node or more)")
     return (One(scope.addresses[0]) if isinstance(scope, Nodes) else scope), resume

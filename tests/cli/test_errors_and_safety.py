@@ -135,13 +135,16 @@ def test_missing_python_in_container(gpuctl):
 
 
 def test_shell_metacharacters_in_every_value_are_inert(gpuctl, tmp_path):
-    pwned = ["/tmp/pwned", "/tmp/pwned2", "/tmp/pwned3", "/tmp/pwned4"]
-    sets = ["x=$(touch /tmp/pwned);rm -rf", "y=`touch /tmp/pwned2`", "z='; touch /tmp/pwned3; '", 'q="$HOME" \\ *',
-            "fake.steps=2"]
+    pwned = ["/tmp/pwned", "/tmp/pwned2", "/tmp/pwned3", "/tmp/pwned4", "/root/pwned5", "/workspace/pwned5"]
+    # string keys the fake trainer ignores (gpuctl refuses unknown keys before sending anything)
+    sets = ["target_path=$(touch /tmp/pwned);rm -rf", "data_path=`touch /tmp/pwned2`",
+            "eval_data_path='; touch /tmp/pwned3; '", 'random_target="$HOME" \\ *', "fake.steps=2"]
     workdir = "/workspace/odd dir $(touch /tmp/pwned4) ;'\"`x`"
     log_dir = "/workspace/logs; touch /tmp/pwned #"
-    config = "tiny; touch /tmp/pwned"
-    args = ["launch", "--python", "fake-trainer", "--config", config, "--workdir", workdir, "--log-dir", log_dir,
+    local = tmp_path / "run $(touch pwned5);'x`y`.toml"  # a local file is staged as configs/NAME
+    local.write_text("max_steps = 2\n")
+    config = f"/root/gpuctl/configs/{local.name}"
+    args = ["launch", "--python", "fake-trainer", "--config", str(local), "--workdir", workdir, "--log-dir", log_dir,
             "--follow"]
     for item in sets:
         args += ["--set", item]

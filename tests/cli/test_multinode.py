@@ -18,6 +18,7 @@ from tenacity import retry, stop_after_delay, wait_fixed
 from tests.cli.conftest import Output
 from tests.cli.test_launch_lock import lock_held
 from tests.cli.test_status_and_plot import TERMINAL
+from tests.sandbox.host import free_port
 
 pytestmark = pytest.mark.sshd
 
@@ -330,3 +331,24 @@ def test_resume_continues_every_nodes_run_of_the_remembered_run(two_containers):
     differ = nodes.gpuctl("launch", *nodes.node_args(), "--resume", *nodes.rendezvous_args())
     assert differ.code == 2 and "the nodes' latest runs differ (node 0 tl3, node 1 tl2)" in differ.stderr
     assert not nodes.path(1, "/workspace/.gpuctl/tl3.json").exists()
+
+
+def test_resume_keeps_the_runs_master_address_and_port_unless_given(two_containers):
+    nodes = two_containers
+    port = free_port()
+    launched = nodes.launch_fake("steps=1", "env=GLOO_SOCKET_IFNAME", extra=(
+        "--master-addr", "127.0.0.1", "--master-port", str(port), "--env", "GLOO_SOCKET_IFNAME=lo"))
+    assert launched.code == 0, launched.stderr
+    status_until(nodes, state="succeeded")
+    resumed = nodes.gpuctl("launch", "--resume", "--json")  # no rendezvous options: the run's own
+    assert resumed.code == 0, resumed.stderr
+    assert (resumed.json()["master_addr"], resumed.json()["master_port"]) == ("127.0.0.1", port)
+    for k in (0, 1):
+        env = seen_env(nodes, k, "tl2")
+        assert (env["MASTER_ADDR"], env["MASTER_PORT"], env["GLOO_SOCKET_IFNAME"]) == ("127.0.0.1", str(port), "lo")
+    status_until(nodes, state="succeeded")
+    other = free_port()
+    again = nodes.gpuctl("launch", "--resume", "--json", "--master-port", str(other))  # a flag given now wins
+    assert again.code == 0, again.stderr
+    assert [seen_env(nodes, k, "tl3")["MASTER_PORT"] for k in (0, 1)] == [str(other)] * 2
+    assert seen_env(nodes, 0, "tl3")["MASTER_ADDR"] == "127.0.0.1"

@@ -19,6 +19,20 @@ from pathlib import Path
 from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
 HERE = Path(__file__).resolve().parent
+# The fake trainer's own `--set fake.KEY=VALUE` options (fake_trainer.py), which gpuctl checks like any key: the
+# stand-in's config schema (GPUCTL_CONFIG_SCHEMA in env()) is the trainer's with these added, of any scalar type.
+FAKE_KEYS = ("steps", "step_s", "exit", "child", "ignore_term", "term_exit", "save_every", "weights_bytes",
+             "state_bytes", "export", "require", "exit_seq", "env", "fail_rank")
+ANY_SCALAR = {"type": {"union": ["int", "float", "bool", "str"]}, "name": "a fake trainer option"}
+
+
+def schema_with_fake_keys(dest: Path) -> Path:
+    """training/config_schema.json with the fake trainer's keys added to every task, written to dest."""
+    schema = json.loads((HERE.parent.parent / "training" / "config_schema.json").read_text())
+    for task in schema["tasks"].values():
+        task["keys"].update({f"fake.{key}": ANY_SCALAR for key in FAKE_KEYS})
+    dest.write_text(json.dumps(schema))
+    return dest
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 ALIAS = "gpuctl-standin"
 DEFAULT_GPUS = [
@@ -118,6 +132,7 @@ class StandInHost:
         (self.root / "containers").mkdir(exist_ok=True)
         (self.root / "home").mkdir(exist_ok=True)
         install_script(HERE / "pct.py", self.root / "bin" / "pct")
+        schema_with_fake_keys(self.root / "config_schema.json")
         (self.root / "interpreter.json").write_text(json.dumps(interpreter_dirs()))
         for key in (self.host_key, self.client_key):
             if not key.exists():
@@ -187,7 +202,8 @@ class StandInHost:
 
     def env(self, ctid: int | None = None) -> dict[str, str]:
         """The environment that points gpuctl at this host (and container)."""
-        env = {"GPUCTL_SSH_CONFIG": str(self.ssh_config), "GPUCTL_HOST": ALIAS}
+        env = {"GPUCTL_SSH_CONFIG": str(self.ssh_config), "GPUCTL_HOST": ALIAS,
+               "GPUCTL_CONFIG_SCHEMA": str(self.root / "config_schema.json")}
         if ctid is not None:
             env["GPUCTL_CT"] = str(ctid)
         return env
@@ -262,6 +278,12 @@ class StandInHost:
     def path_in(self, ctid: int, path: str) -> Path:
         """The host path of a path inside the container."""
         return self.ct_dir(ctid) / "rootfs" / path.lstrip("/")
+
+    def pct_calls(self, ctid: int) -> list[list[str]]:
+        """Every pct call made for container ctid (its argv), in order: the stand-in's pct logs each."""
+        log = self.root / "pct.log"
+        calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+        return [argv for argv in calls if argv[1:2] == [str(ctid)]]
 
     def pct(self, *args: str) -> subprocess.CompletedProcess:
         """Run the stand-in pct directly (not over ssh), e.g. to stop a container."""

@@ -215,7 +215,14 @@ COMMANDS = {"list": cmd_list, "status": cmd_status, "start": cmd_start, "stop": 
 MIN_ARGS = {"list": 0, "status": 1, "start": 1, "stop": 1, "exec": 1, "push": 3, "pull": 3}
 
 
+def log_call(argv: list[str]) -> None:
+    """Every call, one JSON line in <state>/pct.log (StandInHost.pct_calls reads it): what reached the host."""
+    with open(STATE / "pct.log", "a") as f:
+        f.write(json.dumps(argv) + "\n")
+
+
 def main(argv: list[str]) -> int:
+    log_call(argv)
     if not argv or argv[0] not in COMMANDS:
         print(f"ERROR: unknown command 'pct {' '.join(argv[:1])}'", file=sys.stderr)
         return 255

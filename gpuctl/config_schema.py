@@ -1,0 +1,99 @@
+"""A launch's config checked on the workstation before anything is sent (ARCHITECTURE §3): the preset exists, a
+local config file exists and is TOML, every key of the preset, file and `--set` is one of the task's and its value
+has the key's type. Against the trainer's schema (training/config_schema.json, generated from its config
+dataclasses: gpuctl never imports the trainer), with the trainer's own messages. Rules across fields (and value
+ranges) stay the trainer's, checked in the container.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from gpuctl import paths
+from gpuctl.errors import GpuctlError, usage_error
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+Spec = str | dict[str, Any]  # "int", "float", "bool", "str", {"list": Spec}, {"union": [Spec, ...]}
+
+
+def load_schema() -> dict[str, Any]:
+    path = paths.config_schema_file()
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise GpuctlError(f"cannot read the trainer's config schema {path}: {err} (regenerate it: python -m "
+                          "training.config_schema)") from None
+
+
+def matches(value: Any, spec: Spec) -> bool:
+    """training.config._matches on the schema's spec: an int is a valid float, a bool is not an int."""
+    if isinstance(spec, dict):
+        if "union" in spec:
+            return any(matches(value, arg) for arg in spec["union"])
+        return isinstance(value, list) and all(matches(v, spec["list"]) for v in value)
+    if spec == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if spec == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, {"bool": bool, "str": str}[spec])
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """training.config.parse_override: VALUE read as a TOML literal, else as a plain string."""
+    key, _, raw = text.partition("=")
+    try:
+        value = tomllib.loads(f"value = {raw}")["value"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip(), value
+
+
+def check_values(keys: dict[str, Any], values: dict[str, Any], where: str) -> None:
+    for key, value in values.items():
+        if key not in keys:
+            raise usage_error(f"unknown config key {key!r} ({where})")
+        if not matches(value, keys[key]["type"]):
+            raise usage_error(f"{key} must be {keys[key]['name']}, got {value!r} ({where})")
+
+
+def _read_toml(path: Path, where: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise usage_error(f"{where}: not valid TOML: {err}") from None
+    except OSError as err:
+        raise usage_error(f"cannot read config file {where}: {err.strerror or err}") from None
+
+
+def config_values(schema: dict[str, Any], task: str, config: str) -> tuple[dict[str, Any], str]:
+    """The values --config names (a local file, else a bundled preset; as training.config.resolve_preset
+    decides), and how a message names where they come from."""
+    local = Path(config).expanduser()
+    if local.suffix == ".toml" or local.exists():
+        if not local.is_file():
+            raise usage_error(f"config file not found: {config} (a --config file is read on this machine and staged)")
+        return _read_toml(local, str(local)), str(local)
+    if config not in schema["presets"]:
+        raise usage_error(f"no preset named {config!r} (known: {', '.join(schema['presets'])}) and no such file")
+    if config not in schema["tasks"][task]["presets"]:
+        other = [t for t, spec in schema["tasks"].items() if config in spec["presets"]]
+        raise usage_error(f"preset {config!r} is not a {task} config" + (f" (it is --task {other[0]}'s)" if other else ""))
+    return _read_toml(paths.presets_dir() / f"{config}.toml", f"preset {config}"), f"preset {config}"
+
+
+def check_config(task: str, config: str | None, sets: list[str]) -> None:
+    """The launch's config (None: one in the container, a resumed run's staged file) and --set values, checked
+    against the task's keys; a problem is one line, exit 2."""
+    schema = load_schema()
+    keys = schema["tasks"][task]["keys"]
+    if config is not None:
+        values, where = config_values(schema, task, config)
+        check_values(keys, values, where)
+    for text in sets:
+        check_values(keys, dict([parse_override(text)]), f"--set {text}")

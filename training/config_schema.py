@@ -1,0 +1,72 @@
+"""The trainer's config schema as JSON (`training/config_schema.json`), for gpuctl's checks on the workstation.
+
+gpuctl never imports the trainer (ARCHITECTURE §9), yet refuses a typo'd preset, an unknown key or a value of the
+wrong type before it stages anything: it reads this file, bundled with the trainer. Each task's keys with their
+types, as `training.config._matches` checks them ("int", "float": an int is a valid float, a bool is not an int;
+"bool", "str", {"list": T}, {"union": [T, ...]}) and the message's name of the type; every bundled preset, and
+which task's config each preset is (every key of it a key of that config).
+
+Regenerate it after changing a config dataclass or a preset: `python -m training.config_schema`
+(tests/training/test_config_schema.py fails while the committed file differs).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+import typing
+from pathlib import Path
+
+from training.config import PRESETS_DIR, TrainConfig, _type_name, tomllib
+from training.regenerate import RegenerateConfig
+
+SCHEMA_FILE = Path(__file__).with_name("config_schema.json")
+COMMAND = "python -m training.config_schema"
+TASKS = {"train": TrainConfig, "regenerate": RegenerateConfig}  # gpuctl's `launch --task` names
+SCALARS = {int: "int", float: "float", bool: "bool", str: "str"}
+
+
+def type_spec(tp) -> str | dict:
+    """A field's annotation as JSON; a type _matches would check some other way is refused (teach both sides)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return {"union": [type_spec(arg) for arg in typing.get_args(tp)]}
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return {"list": type_spec(item)}
+    if tp in SCALARS:
+        return SCALARS[tp]
+    raise TypeError(f"no JSON schema type for {tp!r}: teach training/config_schema.py and gpuctl/config_schema.py")
+
+
+def _presets() -> dict[str, set[str]]:
+    paths = sorted(PRESETS_DIR.glob("*.toml"), key=lambda path: path.stem)  # the order resolve_preset lists them in
+    return {path.stem: set(tomllib.loads(path.read_text())) for path in paths}
+
+
+def schema() -> dict:
+    presets = _presets()
+    tasks = {}
+    for task, kind in TASKS.items():
+        hints = typing.get_type_hints(kind)
+        tasks[task] = {
+            "config": f"{kind.__module__}.{kind.__qualname__}",
+            "presets": [name for name, keys in presets.items() if keys <= hints.keys()],
+            "keys": {key: {"type": type_spec(tp), "name": _type_name(tp)} for key, tp in hints.items()},
+        }
+    return {"generated_by": COMMAND, "presets": list(presets), "tasks": tasks}
+
+
+def render() -> str:
+    return json.dumps(schema(), indent=1) + "\n"
+
+
+def main() -> int:
+    SCHEMA_FILE.write_text(render())
+    print(f"wrote {SCHEMA_FILE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
