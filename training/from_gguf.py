@@ -58,7 +58,8 @@ def build_target_from_gguf(gguf: Path, out: Path) -> None:
     check_gguf_support()
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
+        # Dequantized in float32 (transformers' fast path for GGUF), saved in bf16 (the model's own dtype).
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     except (OSError, ValueError, KeyError, RuntimeError) as err:
         raise ConfigError(f"cannot read {gguf} as a model: {' '.join(str(err).split())[:240]}") from None
     # The weights are dequantized now; a GGUF quantization config would make save_pretrained refuse them and
@@ -66,6 +67,7 @@ def build_target_from_gguf(gguf: Path, out: Path) -> None:
     model.config.quantization_config = None
     del model.config.quantization_config
     model.hf_quantizer = None
+    model = model.to(torch.bfloat16)
     with staging_dir(out) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
