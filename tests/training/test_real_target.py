@@ -127,7 +127,7 @@ def test_the_trainer_refuses_the_default_mask_token_for_smollm2_in_one_line(smol
 
 def test_a_tied_target_gives_the_drafter_one_table_and_training_leaves_it_alone(smollm2, smollm2_run):
     from training.config import load_config
-    from training.train import build_drafters
+    from training.trainer.world import build_drafters
 
     target = Target.load(str(smollm2), "cpu", torch.float32, mask_token="<empty_output>")
     table = target.model.get_input_embeddings().weight
