@@ -144,10 +144,7 @@ class TrainConfig:
             raise ConfigError(f"max_length ({self.max_length}) must exceed 2 * block_size ({self.block_size})")
         if any(step < 1 for step in self.debug_nan_steps):
             raise ConfigError(f"debug_nan_steps must be step numbers >= 1, got {self.debug_nan_steps}")
-        if self.target_gguf and self.build_tiny:
-            raise ConfigError("build_tiny and target_gguf both make target_path: set one of them")
-        if isinstance(self.mask_token, int) and self.mask_token < 0:
-            raise ConfigError(f"mask_token must be a token string or an id >= 0, got {self.mask_token}")
+        self._check_target_source()
         if any(layer < 0 for layer in self.target_layers):
             raise ConfigError(f"target_layers must be layer indices >= 0, got {self.target_layers}")
         parse_devices(self.devices, "devices")
@@ -163,6 +160,12 @@ class TrainConfig:
             if not getattr(self, name):
                 raise ConfigError(f"{name} is not set (use --set {name}=...)")
         return self
+
+    def _check_target_source(self) -> None:
+        if self.target_gguf and self.build_tiny:
+            raise ConfigError("build_tiny and target_gguf both make target_path: set one of them")
+        if isinstance(self.mask_token, int) and self.mask_token < 0:
+            raise ConfigError(f"mask_token must be a token string or an id >= 0, got {self.mask_token}")
 
     def micro_batch_rows(self) -> int:
         """Sequences per micro-batch."""
