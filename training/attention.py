@@ -47,9 +47,12 @@ class AttentionMask:
 
 
 def build_mask(backend: str, anchors: torch.Tensor, block_valid: torch.Tensor, context_len: int,
-               block_size: int, flex_attention: FlexAttention | None = None) -> AttentionMask:
+               block_size: int, flex_attention: FlexAttention | None = None,
+               block_lengths: torch.Tensor | None = None) -> AttentionMask:
     """The DFlash mask for one batch, on the anchors' device; the flex backend needs the compiled
-    `flex_attention` to call (the SDPA one ignores it)."""
+    `flex_attention` to call (the SDPA one ignores it). `block_lengths` [B, N] (SDPA only, for evaluation):
+    the tokens of each block that exist, as in the serving loop's last step, whose block is cut at its
+    max_length (the keys past them are hidden: block attention is not causal, so they would change the rest)."""
     if backend == "flex":
         if flex_attention is None:
             raise ValueError("attention backend 'flex' needs a compiled flex_attention: the trainer's "
@@ -59,6 +62,10 @@ def build_mask(backend: str, anchors: torch.Tensor, block_valid: torch.Tensor, c
     if backend != "sdpa":
         raise ValueError(f"unknown attention backend {backend!r}")
     dense = dense_mask(anchors, block_valid, context_len, block_size)
+    if block_lengths is not None:
+        offsets = torch.arange(block_size, device=anchors.device)
+        exists = (offsets < block_lengths[..., None]).reshape(anchors.shape[0], 1, -1)
+        dense[:, :, context_len:] &= exists
     visible = dense.any(dim=-1, keepdim=True)
     # SDPA turns a fully masked row into NaN (softmax over nothing); let it attend anywhere and zero it after.
     return AttentionMask("sdpa", dense=(dense | ~visible)[:, None], row_visible=visible[:, None])

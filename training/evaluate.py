@@ -4,8 +4,13 @@ Greedy verification is lossless, so the tokens a speculative decoder emits are e
 continuation. That continuation (and the target's features over it, which are causal) is computed once; then
 each step drafts a block from the current anchor (the last token the target produced, not yet processed by it),
 accepts the longest prefix of drafts equal to the continuation, and adds the target's bonus token, which is the
-next anchor. tau = mean of (accepted + 1) over verification steps. Only steps whose whole block lies inside the
-known continuation count.
+next anchor.
+
+Steps are counted as the serving loop counts them (the reference's `dflash_generate`, which the acceptance
+command runs): every verification step counts, the first token comes from the prompt's prefill and is not a
+step, a step produces at most the tokens left before the continuation's end (its end-of-turn token, or
+max_new_tokens), and the last blocks are cut at max_new_tokens as the loop cuts them. tau = tokens produced /
+steps. So on the same prompts and drafter the two agree (in float32, up to near-ties).
 
 This path uses SDPA: its shapes vary, and they must never reach the compiled flex_attention.
 """
@@ -28,44 +33,63 @@ class EvalSet:
     features: torch.Tensor  # [E, S, n*D] the target's features over tokens
     first_anchor: torch.Tensor  # [E] the first generated position
     lengths: torch.Tensor  # [E] real length of each row
+    limits: torch.Tensor | None = None  # [E] prompt + max_new_tokens (the loop's max_length); None = lengths
 
 
-def build_eval_set(target: Target, prompts: list[list[int]], new_tokens: int, device: torch.device | str) -> EvalSet:
-    continuations = target.generate_greedy(prompts, new_tokens)
+def build_eval_set(target: Target, prompts: list[list[int]], new_tokens: int, device: torch.device | str,
+                   continuations: list[list[int]] | None = None) -> EvalSet:
+    """`continuations`: the target's greedy replies when the caller has them (else generated here)."""
+    if continuations is None:
+        continuations = target.generate_greedy(prompts, new_tokens)
     rows = [prompt + continuation for prompt, continuation in zip(prompts, continuations)]
     width = max(len(row) for row in rows)
     tokens = torch.zeros((len(rows), width), dtype=torch.long)
     for i, row in enumerate(rows):
         tokens[i, : len(row)] = torch.tensor(row)
     features = target.features(tokens.to(target.device)).to(device)
-    return EvalSet(tokens.to(device), features, torch.tensor([len(p) for p in prompts], device=device),
-                   torch.tensor([len(row) for row in rows], device=device))
+    first = torch.tensor([len(p) for p in prompts], device=device)
+    return EvalSet(tokens.to(device), features, first, torch.tensor([len(row) for row in rows], device=device),
+                   first + new_tokens)
 
 
 @torch.no_grad()
-def acceptance_length(drafter: Drafter, evalset: EvalSet, dtype: torch.dtype) -> float:
-    """Mean tokens per verification step (accepted drafts + the target's bonus token)."""
+def produced_per_step(drafter: Drafter, evalset: EvalSet, dtype: torch.dtype) -> list[list[int]]:
+    """Each row's tokens produced by each verification step (accepted drafts + the target's bonus token)."""
     block = drafter.config.block_size
     offsets = torch.arange(1, block, device=evalset.tokens.device)
+    lengths = evalset.lengths
+    limits = lengths if evalset.limits is None else evalset.limits
     anchors = evalset.first_anchor.clone()
-    active = anchors + block <= evalset.lengths
-    tokens_emitted, steps = 0, 0
+    active = anchors + 1 < lengths
+    produced_by_row: list[list[int]] = [[] for _ in range(len(lengths))]
     was_training = drafter.training
     drafter.eval()
     width = evalset.tokens.shape[1]
     while bool(active.any()):
         at = anchors.clamp(max=width - 1)[:, None]  # finished rows may point one past the end; they are masked
-        mask = build_mask("sdpa", at, active[:, None], width, block)
+        verify = (limits - anchors).clamp(min=1, max=block)  # the block the loop verifies: cut at max_length
+        mask = build_mask("sdpa", at, active[:, None], width, block, block_lengths=verify[:, None])
         with autocast(evalset.tokens.device, dtype):
             hidden = drafter(evalset.features, evalset.tokens.gather(1, at), at, mask)
             drafts = drafter.logits(hidden[:, 1:]).argmax(dim=-1)  # [E, block - 1]
         truth_at = (at + offsets).clamp(max=width - 1)
-        agree = drafts == evalset.tokens.gather(1, truth_at)
+        agree = (drafts == evalset.tokens.gather(1, truth_at)) & (offsets < verify[:, None])
         accepted = agree.long().cumprod(dim=-1).sum(dim=-1)
-        emitted = accepted + 1
-        tokens_emitted += int(emitted[active].sum())
-        steps += int(active.sum())
-        anchors = torch.where(active, anchors + emitted, anchors)
-        active &= anchors + block <= evalset.lengths
+        produced = torch.minimum(accepted + 1, lengths - anchors - 1)
+        for row in active.nonzero().flatten().tolist():
+            produced_by_row[row].append(int(produced[row]))
+        anchors = torch.where(active, anchors + produced, anchors)
+        active &= anchors + 1 < lengths
     drafter.train(was_training)
-    return tokens_emitted / max(steps, 1)
+    return produced_by_row
+
+
+def tau(produced_by_row: list[list[int]]) -> float:
+    """Tokens per verification step over every step of every row (0.0 when no step was taken)."""
+    steps = [n for row in produced_by_row for n in row]
+    return sum(steps) / len(steps) if steps else 0.0
+
+
+def acceptance_length(drafter: Drafter, evalset: EvalSet, dtype: torch.dtype) -> float:
+    """Mean tokens per verification step (accepted drafts + the target's bonus token)."""
+    return tau(produced_per_step(drafter, evalset, dtype))

@@ -4,8 +4,8 @@
 
 RUN_OR_CHECKPOINT_DIR is a run's output_dir (its newest complete checkpoint is taken) or one checkpoint
 directory. OUT_DIR receives config.json (a Qwen3 config with `architectures: ["DFlashDraftModel"]`,
-`num_target_layers`, `block_size`, `dflash_config: {target_layer_ids, mask_token_id}`, both `rope_theta` and
-`rope_parameters` so that transformers 4.x and 5.x read the same RoPE) and model.safetensors with the
+`num_target_layers`, `block_size`, `dflash_config: {target_layer_ids, mask_token_id, mask_token}`, both
+`rope_theta` and `rope_parameters` so that transformers 4.x and 5.x read the same RoPE) and model.safetensors with the
 reference implementation's parameter names; no embedding or LM head (the engine uses the target's).
 
 Everything is checked before anything is written; the directory is built under a temporary name beside OUT_DIR
@@ -33,7 +33,7 @@ from training.console import say
 from training.durable import fsync_path
 from training.entry import OneLineArgumentParser
 from training.model import Drafter, DrafterConfig
-from training.target import check_feature_layers, rope_parameters
+from training.target import MASK_TOKEN, check_feature_layers, rope_parameters
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 ARCHITECTURE = "DFlashDraftModel"
@@ -44,6 +44,7 @@ LAYER_NAMES = {
     "o_proj": "self_attn.o_proj", "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
     "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj",
 }
+TRAINER_NAMES = {served: ours for ours, served in LAYER_NAMES.items()}
 
 
 def served_name(name: str) -> str:
@@ -54,6 +55,40 @@ def served_name(name: str) -> str:
     if name in ("fc.weight", "hidden_norm.weight", "norm.weight"):
         return name
     raise ValueError(f"no served name for drafter parameter {name!r}")
+
+
+def trainer_name(name: str) -> str:
+    """The reference's parameter name -> the trainer's (served_name's inverse)."""
+    parts = name.split(".")
+    inner = ".".join(parts[2:-1])
+    if parts[0] == "layers" and len(parts) >= 4 and inner in TRAINER_NAMES:
+        return ".".join([parts[0], parts[1], TRAINER_NAMES[inner], parts[-1]])
+    if name in ("fc.weight", "hidden_norm.weight", "norm.weight"):
+        return name
+    raise ValueError(f"no trainer name for served parameter {name!r}")
+
+
+def read_export(path: str | Path) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
+    """An exported drafter directory as the trainer's config and weights (to evaluate what was served)."""
+    path = Path(path).expanduser()
+    for name in ("config.json", "model.safetensors"):
+        if not (path / name).is_file():
+            raise ConfigError(f"{path} is not an exported drafter (no {name})")
+    try:
+        c = json.loads((path / "config.json").read_text())
+        dflash = c["dflash_config"]
+        config = DrafterConfig(
+            hidden_size=c["hidden_size"], num_heads=c["num_attention_heads"], num_kv_heads=c["num_key_value_heads"],
+            head_dim=c["head_dim"], intermediate_size=c["intermediate_size"], rms_norm_eps=c["rms_norm_eps"],
+            rope_parameters=dict(c["rope_parameters"]), vocab_size=c["vocab_size"],
+            num_layers=c["num_hidden_layers"], num_features=len(dflash["target_layer_ids"]),
+            block_size=c["block_size"], target_layers=list(dflash["target_layer_ids"]),
+            mask_token_id=dflash["mask_token_id"], num_target_layers=c["num_target_layers"],
+            max_position_embeddings=c["max_position_embeddings"], mask_token=dflash.get("mask_token", MASK_TOKEN))
+        weights = {trainer_name(name): t for name, t in load_file(path / "model.safetensors").items()}
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as err:
+        raise ConfigError(f"{path} is not a readable DFlash export ({type(err).__name__}: {err})") from None
+    return config, weights
 
 
 def served_config(c: DrafterConfig, dtype: str) -> dict:
@@ -79,7 +114,10 @@ def served_config(c: DrafterConfig, dtype: str) -> dict:
         "num_hidden_layers": c.num_layers,
         "num_target_layers": c.num_target_layers,
         "block_size": c.block_size,
-        "dflash_config": {"target_layer_ids": list(c.target_layers), "mask_token_id": c.mask_token_id},
+        # Both: vLLM reads mask_token_id; SGLang reads mask_token too (default <|MASK|>, which a target such as
+        # SmolLM2 lacks), so neither falls back to a token this tokenizer has not got.
+        "dflash_config": {"target_layer_ids": list(c.target_layers), "mask_token_id": c.mask_token_id,
+                          "mask_token": c.mask_token},
         "dtype": dtype,
         "torch_dtype": dtype,  # the same, for engines on transformers 4.x (5.x reads `dtype`, warns on this one)
     }

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from training.attention import AttentionMask, attend
-from training.target import rope_parameters
+from training.target import MASK_TOKEN, rope_parameters
 
 
 @dataclass
@@ -42,10 +42,11 @@ class DrafterConfig:
     mask_token_id: int  # the token at block positions 1..: `<|MASK|>` in the target's tokenizer
     num_target_layers: int
     max_position_embeddings: int  # the target's
+    mask_token: str = MASK_TOKEN  # the token string of mask_token_id (checkpoints before it had <|MASK|>)
 
     @classmethod
     def from_target(cls, target_config, num_layers: int, block_size: int, target_layers: list[int],
-                    mask_token_id: int) -> DrafterConfig:
+                    mask_token_id: int, mask_token: str = MASK_TOKEN) -> DrafterConfig:
         hidden = target_config.hidden_size
         heads = target_config.num_attention_heads
         return cls(
@@ -57,7 +58,7 @@ class DrafterConfig:
             num_layers=num_layers, num_features=len(target_layers), block_size=block_size,
             target_layers=list(target_layers), mask_token_id=mask_token_id,
             num_target_layers=target_config.num_hidden_layers,
-            max_position_embeddings=target_config.max_position_embeddings,
+            max_position_embeddings=target_config.max_position_embeddings, mask_token=mask_token,
         )
 
     @property
@@ -153,9 +154,15 @@ class Drafter(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         # The target's own embedding and LM head, frozen: buffers stay out of the optimizer and the checkpoint.
+        # A tied target's one table is one buffer, so a copy to another device stays one copy.
         self.register_buffer("embed_weight", embedding.detach(), persistent=False)
-        self.register_buffer("lm_head_weight", lm_head.detach(), persistent=False)
+        self.tied = lm_head is embedding
+        self.register_buffer("untied_lm_head", None if self.tied else lm_head.detach(), persistent=False)
         self.reset_parameters()
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_weight if self.tied else self.untied_lm_head
 
     def reset_parameters(self) -> None:
         for module in self.modules():

@@ -43,6 +43,7 @@ from training.console import say
 from training.data import DataError, encode_chat, parse_conversation
 from training.devices import check_devices, compute_dtype
 from training.entry import OneLineArgumentParser, StopSignals, run_entry_point
+from training.from_gguf import ensure_target_from_gguf
 from training.metrics import MetricsLog, announce_output
 
 
@@ -52,6 +53,7 @@ class RegenerateConfig:
     prompts_path: str = ""  # JSONL of {"messages": [...], "id": ...}; assistant messages are regenerated
     output_path: str = ""  # JSONL written here (appended to: a restart resumes)
     build_tiny: bool = False  # build the tiny random target and its data (prompts_path) if missing
+    target_gguf: str = ""  # make target_path on first use from this GGUF file or package (training/from_gguf.py)
     target_devices: list[int | str] | str = "cpu"  # a thread per GPU index; "cpu" = one CPU thread
     dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on the CPU
     num_threads: int = 0  # torch CPU threads; 0 = torch's default
@@ -321,6 +323,8 @@ def target_directory(config: RegenerateConfig) -> Path:
         from training.tiny import ensure_tiny
 
         ensure_tiny(config.target_path, config.prompts_path, "", config.seed)
+    if config.target_gguf:
+        ensure_target_from_gguf(config.target_path, config.target_gguf)
     target_dir = Path(config.target_path).expanduser()
     if not (target_dir / "config.json").is_file():
         raise ConfigError(f"target_path {config.target_path} is not a model directory (no config.json)")

@@ -9,8 +9,9 @@ raises, `features` catches): the layers after it, the final norm and the LM head
 What the served format (ARCHITECTURE §7) needs of a target is checked here, in one line each and before its weights
 load: the serving engines read layer l as `hidden_states[l + 1]`, which is the output of `layers[l]` except for
 the last layer (there it is after the final norm), so the last layer is refused; the drafter implements only
-plain RoPE; and the block's masked positions are the `<|MASK|>` token embedded by the target's own table, so
-the table needs a row for it (a tokenizer without the token gets it as an added special token).
+plain RoPE; and the block's masked positions are the `<|MASK|>` token (or the `mask_token` named) embedded by
+the target's own table, so the table needs a row for it (a tokenizer without `<|MASK|>` gets it as an added
+special token; a table with no free row, SmolLM2's, needs `mask_token` set to a token it has).
 """
 
 from __future__ import annotations
@@ -74,24 +75,57 @@ def rope_parameters(config) -> dict:
     return {"rope_type": "default", "rope_theta": float(theta)}
 
 
-def mask_token_id(tokenizer: PreTrainedTokenizerBase, embedding_rows: int) -> int:
-    """The id of `<|MASK|>`, added to the tokenizer as a special token if it lacks one; refused unless the
-    target's embedding table has a row for it (the served drafter embeds it with that table)."""
-    if MASK_TOKEN not in tokenizer.get_vocab():
-        tokenizer.add_tokens([AddedToken(MASK_TOKEN, special=True, normalized=False)], special_tokens=True)
-    token_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
-    if not 0 <= token_id < embedding_rows:
-        raise ConfigError(f"the target's embedding table has {embedding_rows} rows, none for {MASK_TOKEN} (id "
-                          f"{token_id}): a DFlash drafter cannot be served for it")
+def mask_token_id(tokenizer: PreTrainedTokenizerBase, embedding_rows: int, mask_token: str | int = "") -> int:
+    """The id of the token at the block's masked positions: `mask_token` (a token string or id the tokenizer
+    has), else `<|MASK|>`, added to the tokenizer as a special token if it lacks one. Refused unless the
+    target's embedding table has a row for it (the served drafter embeds it with that table); a target with no
+    free row is told which of its own tokens could serve."""
+    if mask_token in ("", MASK_TOKEN):
+        if MASK_TOKEN not in tokenizer.get_vocab():
+            tokenizer.add_tokens([AddedToken(MASK_TOKEN, special=True, normalized=False)], special_tokens=True)
+        token_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
+        if not 0 <= token_id < embedding_rows:
+            raise ConfigError(f"the target's embedding table has {embedding_rows} rows, none for {MASK_TOKEN} (id "
+                              f"{token_id}): set mask_token to a token it has that the data never uses, e.g. "
+                              f"{', '.join(mask_token_candidates(tokenizer)[:6]) or 'an unused special token'}")
+        return token_id
+    if isinstance(mask_token, int):
+        token_id, name = mask_token, f"id {mask_token}"
+        known = 0 <= token_id < len(tokenizer)
+    else:
+        token_id, name = tokenizer.get_vocab().get(mask_token, -1), repr(mask_token)
+        known = token_id >= 0
+    if not known:
+        raise ConfigError(f"mask_token {name} is not a token of the target's tokenizer; candidates: "
+                          f"{', '.join(mask_token_candidates(tokenizer)[:6]) or 'none'}")
+    if token_id >= embedding_rows:
+        raise ConfigError(f"mask_token {name} (id {token_id}) has no row in the target's {embedding_rows}-row "
+                          "embedding table")
     return token_id
+
+
+def mask_token_candidates(tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """Special tokens the tokenizer defines but neither its chat template nor its bos/eos/pad/unk use: the
+    natural mask token for a target whose table has no free row (SmolLM2: <repo_name>, ..., <empty_output>)."""
+    used = {tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token, tokenizer.unk_token}
+    template = str(getattr(tokenizer, "chat_template", "") or "")
+    return [token.content for _, token in sorted(tokenizer.added_tokens_decoder.items())
+            if token.special and token.content not in used and token.content not in template
+            and token.content != MASK_TOKEN]
+
+
+def mask_token_name(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:
+    """The token string of `token_id`, as the export writes it beside the id (SGLang reads `mask_token`)."""
+    return tokenizer.convert_ids_to_tokens(token_id)
 
 
 class Target:
     """A frozen causal LM plus its tokenizer; `features()` returns the concatenated selected layer outputs."""
 
     def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, layers: list[int] | None = None,
-                 run_all_layers: bool = False):
-        """`run_all_layers` keeps the whole decoder running in `features` (only to time the difference)."""
+                 run_all_layers: bool = False, mask_token: str | int = ""):
+        """`run_all_layers` keeps the whole decoder running in `features` (only to time the difference);
+        `mask_token` as in `mask_token_id`."""
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.config = model.config
@@ -101,7 +135,8 @@ class Target:
         self.rope_parameters = rope_parameters(self.config)
         rows = model.get_input_embeddings().weight.shape[0]
         # None without a tokenizer (the benchmarks' random targets); the trainer always has one.
-        self.mask_token_id = mask_token_id(tokenizer, rows) if tokenizer is not None else None
+        self.mask_token_id = mask_token_id(tokenizer, rows, mask_token) if tokenizer is not None else None
+        self.mask_token = mask_token_name(tokenizer, self.mask_token_id) if tokenizer is not None else None
         self._decoder_layers = model.get_decoder().layers
         self._captured: dict[int, torch.Tensor] | None = None  # a dict only while features() runs
         self._stop_after = None if run_all_layers else max(self.layers)
@@ -110,7 +145,7 @@ class Target:
 
     @classmethod
     def load(cls, path: str, device: str | torch.device, dtype: torch.dtype,
-             layers: list[int] | None = None) -> Target:
+             layers: list[int] | None = None, mask_token: str | int = "") -> Target:
         path = str(Path(path).expanduser())
         with loading_target("config and tokenizer", path):
             tokenizer = AutoTokenizer.from_pretrained(path)
@@ -119,10 +154,10 @@ class Target:
         check_feature_layers(list(layers) if layers else default_feature_layers(config.num_hidden_layers),
                              config.num_hidden_layers)
         rope_parameters(config)
-        mask_token_id(tokenizer, config.vocab_size)
+        mask_token_id(tokenizer, config.vocab_size, mask_token)
         with loading_target("weights", path):
             model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, attn_implementation="sdpa")
-        return cls(model.to(device), tokenizer, layers)
+        return cls(model.to(device), tokenizer, layers, mask_token=mask_token)
 
     def _capture_hook(self, index: int):
         def hook(module, args, output):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 from pathlib import Path
 
 import torch
@@ -19,6 +18,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
 
 from training.data import encode_chat
+from training.durable import staging_dir
 from training.target import Target
 
 CHATML_TEMPLATE = (
@@ -91,7 +91,7 @@ def build_tiny_target(path: Path, seed: int = 0) -> None:
     model.resize_token_embeddings(tiny_vocab_size(tokenizer), mean_resizing=False)
     with torch.no_grad():
         model.lm_head.weight[len(tokenizer):] = 0
-    with _staging_dir(path) as tmp:
+    with staging_dir(path) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
 
@@ -128,31 +128,6 @@ def ensure_tiny(target_path: str, data_path: str, eval_data_path: str, seed: int
         print(f"generating tiny data with the target: {train}", flush=True)
         target = Target.load(str(target_dir), "cpu", torch.float32)
         build_tiny_data(target, train, held_out, seed=seed)
-
-
-class _staging_dir:
-    """Build a directory under a temporary name and rename it into place, so a crash leaves nothing half-built."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-    def __enter__(self) -> Path:
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        self.tmp.mkdir(parents=True)
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            try:
-                os.replace(self.tmp, self.path)
-            except OSError:
-                if not self.path.is_dir():
-                    raise
-                # Another process built the same world first (same seed: same content): keep theirs.
-                shutil.rmtree(self.tmp, ignore_errors=True)
-        else:
-            shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def _write_atomic(path: Path, lines: list[str]) -> None:

@@ -16,10 +16,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import training.export as export_module
+from training.acceptance import main as acceptance_main
 from training.attention import build_mask
 from training.checkpoint import check_checkpoint, latest_checkpoint, save_checkpoint
 from training.config import ConfigError
 from training.data import encode_chat, eval_prompts, load_conversations
+from training.evaluate import acceptance_length, build_eval_set
 from training.export import main as export_main
 from training.model import Drafter, DrafterConfig
 from training.target import MASK_TOKEN, Target
@@ -99,7 +101,8 @@ def test_the_run_exports_itself_and_the_reference_loads_it_with_nothing_missing(
                         (export(trained_run, tmp_path / "fp32", "--dtype", "float32"), torch.float32)):
         config = json.loads((path / "config.json").read_text())
         assert config["architectures"] == ["DFlashDraftModel"] and config["num_target_layers"] == 8
-        assert config["dflash_config"] == {"target_layer_ids": target.layers, "mask_token_id": target.mask_token_id}
+        assert config["dflash_config"] == {"target_layer_ids": target.layers, "mask_token_id": target.mask_token_id,
+                                           "mask_token": MASK_TOKEN}
         assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == 10000.0
         assert config["block_size"] == 8 and config["num_hidden_layers"] == 2
         assert sorted(p.name for p in path.iterdir()) == ["config.json", "model.safetensors"]
@@ -243,6 +246,28 @@ def test_served_trained_drafter_beats_the_untrained_one_and_the_loop_emits_the_t
         taus[name] = sum(lengths) / len(lengths)
     print(f"reference-loop tau: untrained {taus['untrained']:.2f}, trained {taus['trained']:.2f}")
     assert taus["trained"] >= taus["untrained"] + 1.0, taus
+
+
+def test_the_trainer_tau_equals_the_served_tau_of_the_acceptance_command(trained_run, target, tiny_world,
+                                                                        tmp_path):
+    """The acceptance command on the run's float32 export: the reference loop's tau and the trainer's
+    (training/evaluate.py, counting steps as the loop counts them) agree step by step on every prompt, and the
+    trainer's equals what the run itself logged on the same prompts."""
+    path = export(trained_run, tmp_path / "fp32", "--dtype", "float32")
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text("".join(json.dumps({"prompt": c[0]["content"]}) + "\n"
+                                   for c in load_conversations(str(tiny_world.eval))))
+    report = tmp_path / "acceptance.json"
+    assert acceptance_main(["--export", str(path), "--target", str(tiny_world.target), "--prompts",
+                            str(prompt_file), "--new-tokens", str(NEW_TOKENS), "--json", str(report)]) == 0
+    figures = json.loads(report.read_text())
+    assert all(p["lossless"] for p in figures["prompts"])
+    assert [p["served_steps"] for p in figures["prompts"]] == [p["trainer_steps"] for p in figures["prompts"]]
+    served_tau = figures["sets"]["prompts"]["served_tau"]
+    assert served_tau == figures["sets"]["prompts"]["trainer_tau"] and served_tau > 2.0
+    drafter = trainer_drafter(latest_checkpoint(trained_run), target)
+    evalset = build_eval_set(target, prompts(tiny_world, target, 16), NEW_TOKENS, "cpu")
+    assert acceptance_length(drafter, evalset, torch.float32) == pytest.approx(served_tau, rel=1e-6)
 
 
 # ---- refusals ------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import torch
 import training.model as model_module
 from training.attention import build_mask
 from training.compile import AttentionShape, projected_qkv
-from training.evaluate import EvalSet, acceptance_length
+from training.evaluate import EvalSet, acceptance_length, produced_per_step
 from training.model import Drafter, DrafterConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -115,13 +115,25 @@ class OracleDrafter(torch.nn.Module):
 
 def test_acceptance_length_counts_accepted_drafts_plus_the_bonus_token():
     tokens = torch.randint(0, 50, (2, 60))
-    # With whole blocks accepted, row 0 walks 12, 16, .., 56 and its last block ends exactly at the end, leaving
-    # its anchor one past it while row 1 (2, 6, .., 54) still drafts.
-    evalset = EvalSet(tokens, torch.zeros(2, 60, 1), first_anchor=torch.tensor([12, 2]),
-                      lengths=torch.tensor([60, 60]))
+    # Rows of 57 real tokens: from anchors 12 and 4, 44 and 52 tokens follow, whole blocks of 4 (the serving
+    # loop's count: the anchor is the prompt's prefill token, each step produces accepted drafts + 1).
+    evalset = EvalSet(tokens, torch.zeros(2, 60, 1), first_anchor=torch.tensor([12, 4]),
+                      lengths=torch.tensor([57, 57]))
     assert acceptance_length(OracleDrafter(tokens, right=3), evalset, torch.float32) == 4.0  # the whole block
     assert acceptance_length(OracleDrafter(tokens, right=1), evalset, torch.float32) == 2.0
     assert acceptance_length(OracleDrafter(tokens, right=0), evalset, torch.float32) == 1.0
+
+
+def test_acceptance_length_counts_every_step_as_the_serving_loop_does():
+    """The last step produces only what is left (not a whole block), and it counts: 10 tokens after the
+    anchor with blocks of 4 are steps of 4, 4, 2 (tau 10/3), where whole-block-only counting said 4.0."""
+    tokens = torch.randint(0, 50, (1, 20))
+    evalset = EvalSet(tokens, torch.zeros(1, 20, 1), first_anchor=torch.tensor([5]), lengths=torch.tensor([16]))
+    assert produced_per_step(OracleDrafter(tokens, right=3), evalset, torch.float32) == [[4, 4, 2]]
+    assert acceptance_length(OracleDrafter(tokens, right=3), evalset, torch.float32) == 10 / 3
+    # A first token that ends the reply (its end-of-turn) leaves nothing to draft: no step.
+    ended = EvalSet(tokens, torch.zeros(1, 20, 1), first_anchor=torch.tensor([5]), lengths=torch.tensor([6]))
+    assert produced_per_step(OracleDrafter(tokens, right=3), ended, torch.float32) == [[]]
 
 
 def forward_backward(drafter, features, tokens, anchors, valid):

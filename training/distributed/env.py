@@ -9,7 +9,7 @@ from training.config import ConfigError
 
 ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # Config keys each node may set for itself: where things are on its disk and how it uses its own devices.
-PER_NODE_KEYS = frozenset({"target_path", "data_path", "eval_data_path", "output_dir", "build_tiny",
+PER_NODE_KEYS = frozenset({"target_path", "data_path", "eval_data_path", "output_dir", "build_tiny", "target_gguf",
                            "overwrite_output", "devices", "topology", "target_devices", "drafter_devices",
                            "colocated_devices", "num_threads", "queue_depth"})
 

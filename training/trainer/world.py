@@ -17,6 +17,7 @@ from training.config import ConfigError, TrainConfig, parse_devices
 from training.console import say
 from training.data import Batch, BatchStream, prepare_sequences
 from training.devices import check_devices
+from training.from_gguf import ensure_target_from_gguf
 from training.layout import (
     Choice,
     Layout,
@@ -62,9 +63,12 @@ def load_targets(config: TrainConfig, devices: list[torch.device], dtype: torch.
         from training.tiny import ensure_tiny
 
         ensure_tiny(config.target_path, config.data_path, config.eval_data_path, config.seed)
+    if config.target_gguf:
+        ensure_target_from_gguf(config.target_path, config.target_gguf)
     if not (Path(config.target_path).expanduser() / "config.json").is_file():
         raise ConfigError(f"target_path {config.target_path} is not a model directory (no config.json)")
-    return [Target.load(config.target_path, device, dtype, config.target_layers or None) for device in devices]
+    return [Target.load(config.target_path, device, dtype, config.target_layers or None, config.mask_token)
+            for device in devices]
 
 
 def load_data(config: TrainConfig, tokenizer) -> tuple[BatchStream, list[list[dict]], dict]:
@@ -97,9 +101,11 @@ def load_data(config: TrainConfig, tokenizer) -> tuple[BatchStream, list[list[di
 def build_drafters(config: TrainConfig, target: Target, devices: list[torch.device]) -> list[Drafter]:
     """Identical drafter replicas, one per drafter device, on the target's frozen embedding and LM head."""
     drafter_config = DrafterConfig.from_target(target.config, config.num_draft_layers, config.block_size,
-                                               target.layers, target.mask_token_id)
+                                               target.layers, target.mask_token_id, target.mask_token)
     embedding = target.model.get_input_embeddings().weight.to(devices[0])
-    lm_head = target.model.get_output_embeddings().weight.to(devices[0])
+    head = target.model.get_output_embeddings().weight
+    # A tied target (SmolLM2) has one table for both: the drafter keeps one copy of it on each device.
+    lm_head = embedding if head is target.model.get_input_embeddings().weight else head.to(devices[0])
     torch.manual_seed(config.seed)  # here, so that building the tiny world first changes nothing
     # Initialised in place: a 1 B-parameter drafter is slow to init on a CPU.
     with torch.device(devices[0]):

