@@ -5,6 +5,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import traceback
 import typing
 
@@ -22,7 +23,14 @@ def end_process(code: int) -> typing.NoReturn:
     threads the interpreter's teardown cannot stop cleanly: one inside a device call or a generate loop that a
     second signal left running, a failed node's store and process group (closing those would wait on nodes that
     may be gone). Their C++ side can abort that teardown ("terminate called without an active exception":
-    SIGABRT in place of the code, seen in CI), so such a run ends at once, once its output is out."""
+    SIGABRT in place of the code, seen in CI), so such a run ends at once, once its output is out.
+
+    From here the code is decided: a stop signal that arrives now must not replace it. In a multi-node run the
+    first node's stop ends every node at one step, so a node can be on its way out when its own `gpuctl kill`
+    SIGTERM lands: with the default action restored, that was exit 143 for a run that stopped cleanly (CI)."""
+    if threading.current_thread() is threading.main_thread():  # (a lost node ends the process from a watchdog)
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_IGN)
     if code == 0:
         sys.exit(0)
     sys.stdout.flush()
