@@ -7,11 +7,13 @@ import pytest
 
 pytestmark = pytest.mark.sshd
 
+KNOWN_PRESETS = ("no preset named 'tinny' (known: qwen3-8b, qwen3-8b-random, smollm2-135m, smollm2-135m-regenerate, "
+                 "tiny, tiny-regenerate)")
 MISTAKES = [
-    (("--config", "tinny"), "no preset named 'tinny' (known: qwen3-8b, qwen3-8b-random, tiny, tiny-regenerate)"),
+    (("--config", "tinny"), KNOWN_PRESETS),
     (("--set", "lrr=3e-4"), "unknown config key 'lrr' (--set lrr=3e-4)"),
     (("--set", "max_steps=abc"), "max_steps must be int, got 'abc' (--set max_steps=abc)"),
-    (("--set", "batch_size=[0,1"), "batch_size must be int, got '[0,1' (--set batch_size=[0,1)"),  # not TOML: a str
+    (("--set", "devices=[0,1"), "--set devices=[0,1: [0,1 is not a valid TOML value"),  # a list with a typo
     (("--set", "build_tiny=1"), "build_tiny must be bool, got 1"),
     (("--set", "devices=[0,true]"), "devices must be list[int | str] | str, got [0, True]"),
     (("--task", "regenerate", "--set", "lr=1e-3"), "unknown config key 'lr' (--set lr=1e-3)"),
