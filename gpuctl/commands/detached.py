@@ -77,11 +77,12 @@ def _holder() -> str:
 
 def values(address: Address, task: str, fields: dict[str, Any], *, python: str | None,
            use_recorded_python: bool, log_dir: str, workdir: str, keep_compile_cache: bool,
-           replacing: bool, find_address: bool = False) -> dict[str, Any]:
+           replacing: bool, find_address: bool = False, run_home: str = "") -> dict[str, Any]:
     """launch.sh's values for a detached task: "train" and "regenerate" run the staged run.sh (a training run, a
     data regeneration), "setup" the staged setup.sh (gpuctl setup's installation); each has its own numbered log
     (<task>_tlN.log) and a record that names the task. find_address: the script reports the container's address
-    (a multi-node run's node 0, for MASTER_ADDR)."""
+    (a multi-node run's node 0, for MASTER_ADDR). run_home: the run whose directory the trainer writes (a resumed
+    run's home, `tlK`); "" = the new run's own number."""
     record_fields = {
         "task": task, "host": address.host, "container": address.ct, **fields,
         "launched_by": f"{getpass.getuser()}@{socket.gethostname()}", "gpuctl_version": __version__,
@@ -92,7 +93,7 @@ def values(address: Address, task: str, fields: dict[str, Any], *, python: str |
         "stage_dir": STAGE_DIR, "log_dir": log_dir, "workdir": workdir, "python": python or "",
         "interpreter_file": INTERPRETER_FILE if use_recorded_python else "", "entry": TASK_ENTRIES[task],
         "keep_compile_cache": keep_compile_cache, "holder": _holder(), "reply_timeout": int(reply_timeout),
-        "find_address": find_address,
+        "find_address": find_address, "run_home": run_home,
         "log_stem": log_stem, "log_prefix": json.dumps(f"{log_dir.rstrip('/')}/{log_stem}")[:-1],
         "record_fields": json.dumps(record_fields)[1:-1],
     }

@@ -33,7 +33,8 @@ def launch_values(address: Address, opts: LaunchOptions) -> dict[str, Any]:
     return detached.values(address, opts.task.value, fields, python=opts.python, use_recorded_python=True,
                            log_dir=opts.log_dir, workdir=opts.workdir, keep_compile_cache=opts.keep_compile_cache,
                            replacing=opts.replace,
-                           find_address=bool(opts.node and opts.node.rank == 0 and not opts.node.master_addr))
+                           find_address=bool(opts.node and opts.node.rank == 0 and not opts.node.master_addr),
+                           run_home=opts.home or "")
 
 
 def _package(config_file: Path | None, opts: LaunchOptions) -> Package:

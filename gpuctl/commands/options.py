@@ -49,6 +49,9 @@ class LaunchOptions:
     # address and 29500.
     master_addr: str | None = None
     master_port: int | None = None
+    # The run whose directory the trainer writes in (<runs_dir>/<home>): a resumed run's home (its first run's),
+    # None for a fresh run (its own number, tlN).
+    home: str | None = None
 
 
 # torch.distributed's env:// variables: gpuctl sets them for a multi-node run, --env may not.

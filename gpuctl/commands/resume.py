@@ -3,6 +3,7 @@ sets, interpreter and directories, under what the command line gives)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import PurePosixPath
 from typing import Any
@@ -12,6 +13,8 @@ from gpuctl.commands.session import inspect
 from gpuctl.errors import usage_error
 from gpuctl.remote.container import Container
 from gpuctl.runs import Run
+
+RUN_HOME = re.compile(r"^tl[1-9][0-9]*$")
 
 
 def resuming(ct: Container, opts: LaunchOptions) -> LaunchOptions:
@@ -53,5 +56,15 @@ def resume_options(opts: LaunchOptions, record: dict[str, Any]) -> LaunchOptions
                    workdir=opts.workdir or record.get("workdir"),
                    master_addr=opts.master_addr or record.get("master_addr"),
                    master_port=opts.master_port or record.get("master_port"),
-                   log_dir=opts.log_dir or (str(PurePosixPath(log_path).parent) if log_path else None))
+                   log_dir=opts.log_dir or (str(PurePosixPath(log_path).parent) if log_path else None),
+                   home=run_home(record))
+
+
+def run_home(record: dict[str, Any]) -> str:
+    """The run a resume continues in: the resumed run's own home (a resume of a resume keeps the first run's),
+    else its id (a run launched before runs had homes)."""
+    home = record.get("home")
+    if isinstance(home, str) and RUN_HOME.match(home):
+        return home
+    return f"tl{int(record.get('number') or 0)}"
 

@@ -81,9 +81,14 @@ def build_dir(final: Path, files: dict[str, bytes]) -> None:
 def save_checkpoint(out: Path, step: int, opts: dict[str, str]) -> Path:
     final = out / "checkpoints" / f"step_{step:08d}"
     build_dir(final, {"drafter.safetensors": os.urandom(int(opts.get("weights_bytes", 4096))),
-                      "config.json": json.dumps({"step": step}).encode(),
+                      "config.json": json.dumps({"step": step, "run": written_by()}).encode(),
                       "state.pt": os.urandom(int(opts.get("state_bytes", 8192)))})
     return final
+
+
+def written_by() -> dict[str, str | None]:
+    """What the real trainer records of the run that wrote a checkpoint: gpuctl's run id and home."""
+    return {"id": os.environ.get("GPUCTL_RUN_ID"), "home": os.environ.get("GPUCTL_RUN_HOME")}
 
 
 def newest_checkpoint(source: Path) -> Path | None:
@@ -96,7 +101,9 @@ def newest_checkpoint(source: Path) -> Path | None:
 
 def export(source: Path, out: Path) -> None:
     checkpoint = newest_checkpoint(source)
-    config = {"architectures": ["DFlashDraftModel"], "checkpoint": checkpoint.name}
+    run = json.loads((checkpoint / "config.json").read_text()).get("run") or {}  # as the trainer: the checkpoint's
+    config = {"architectures": ["DFlashDraftModel"], "checkpoint": checkpoint.name,
+              "gpuctl": {"run": run.get("id"), "home": run.get("home")}}
     build_dir(out, {"config.json": json.dumps(config).encode(),
                     "model.safetensors": (checkpoint / "drafter.safetensors").read_bytes()})
 
