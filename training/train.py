@@ -42,7 +42,6 @@ from training.console import say
 from training.data import Batch, DataError
 from training.distributed import NodeLost
 from training.entry import OneLineArgumentParser, end_process, run_entry_point
-from training.metrics import announce_output
 from training.pipeline import PipelineError
 from training.trainer import DrafterReplica, NonFiniteSteps, StopRequest, TargetReplica, train
 
@@ -114,7 +113,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         config = load_config(args.config, args.set)
-        announce_output("output_dir", config.output_dir)  # for `gpuctl pull`
         # Which interpreter and torch build run this: the log's first line answers "did it use the right one?"
         say(f"python {sys.executable} ({platform.python_version()}), torch {torch.__version__} "
             f"({f'CUDA {torch.version.cuda}' if torch.version.cuda else 'a CPU-only build'})")

@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.config import ConfigError
+from training.config import ConfigError, load_config
 from training.distributed import (
+    default_micro_batch,
     fingerprint_difference,
     micro_batch_share,
     node_env,
@@ -299,3 +300,42 @@ def test_a_bad_node_env_is_one_line_and_exit_2(tiny_world, tmp_path):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == "error: RANK=5 is outside 0..1 (WORLD_SIZE=2)"
+
+
+def test_default_micro_batch_shares_the_batch_among_the_nodes_or_refuses_in_one_line():
+    config = load_config("tiny", ["batch_size=8"])
+    assert default_micro_batch(config, 1) == (config, "")
+    shared, words = default_micro_batch(config, 2)
+    assert (shared.micro_batch_size, shared.micro_batches_per_step(), config.micro_batch_size) == (4, 2, 0)
+    assert words == " (micro_batch_size unset: batch_size 8 shared among 2 nodes)"
+    with pytest.raises(ConfigError, match=r"^batch_size \(8\) cannot be shared evenly among 3 nodes"):
+        default_micro_batch(config, 3)
+    explicit = load_config("tiny", ["batch_size=8", "micro_batch_size=8"])
+    assert default_micro_batch(explicit, 2) == (explicit, "")  # and micro_batch_share refuses it, as before
+    with pytest.raises(ConfigError, match="a step has 1 micro-batch"):
+        micro_batch_share(explicit.micro_batches_per_step(), 0, 2)
+
+
+def test_two_nodes_with_micro_batch_size_unset_train_what_one_node_trains_in_each_runs_own_home(
+        tiny_world, tmp_path, monkeypatch):
+    """The tiny preset's micro_batch_size (unset) on two nodes: batch_size 4 is two micro-batches of 2, one to
+    each node, the losses those of one node with micro_batch_size=2; every node writes under its runs_dir's
+    $GPUCTL_RUN_HOME."""
+    one = tmp_path / "one"
+    done = subprocess.run([sys.executable, "-m", "training.train",
+                           *trainer_args(tiny_world, one, "micro_batch_size=2", "max_steps=4")], cwd=REPO,
+                          capture_output=True, text=True, timeout=240, check=False,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("GPUCTL_")})
+    assert done.returncode == 0, done.stdout + done.stderr
+    monkeypatch.delenv("GPUCTL_RUN_ID", raising=False)
+    monkeypatch.setenv("GPUCTL_RUN_HOME", "tl7")
+    runs = [tmp_path / f"runs-node{rank}" for rank in range(2)]
+    procs, _, logs = start_nodes(tiny_world, tmp_path, "shared",
+                                 [["micro_batch_size=0", "max_steps=4", "output_dir=", f"runs_dir={r}"] for r in runs])
+    assert wait_all(procs) == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
+    assert "a step is 2 micro-batches of 2 sequences (micro_batch_size unset: batch_size 4 shared among 2 nodes)" \
+        in logs[0].read_text()
+    assert_close(losses(runs[0] / "tl7" / "metrics.jsonl"), losses(one / "metrics.jsonl"))
+    assert_close(losses(runs[1] / "tl7" / "metrics.node1.jsonl"), losses(one / "metrics.jsonl"))
+    assert json.loads((runs[0] / "tl7" / "export" / "config.json").read_text())["gpuctl"]["home"] == "tl7"
+    assert [p.name for p in runs[1].iterdir()] == ["tl7"]

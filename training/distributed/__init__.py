@@ -26,6 +26,7 @@ from training.distributed.env import (
     NodeEnv,
     NodeLost,
     Timeouts,
+    default_micro_batch,
     micro_batch_share,
     node_env,
     timeouts_of,
@@ -34,5 +35,6 @@ from training.distributed.fingerprint import fingerprint_difference, run_fingerp
 from training.distributed.nodes import Nodes, join_nodes
 from training.distributed.single import SingleNode
 
-__all__ = ["PER_NODE_KEYS", "NodeEnv", "NodeLost", "Nodes", "SingleNode", "Timeouts", "fingerprint_difference",
-           "join_nodes", "micro_batch_share", "node_env", "run_fingerprint", "tensor_sums", "timeouts_of"]
+__all__ = ["PER_NODE_KEYS", "NodeEnv", "NodeLost", "Nodes", "SingleNode", "Timeouts", "default_micro_batch",
+           "fingerprint_difference", "join_nodes", "micro_batch_share", "node_env", "run_fingerprint", "tensor_sums",
+           "timeouts_of"]

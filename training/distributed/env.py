@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -9,8 +10,8 @@ from training.config import ConfigError
 
 ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # Config keys each node may set for itself: where things are on its disk and how it uses its own devices.
-PER_NODE_KEYS = frozenset({"target_path", "data_path", "eval_data_path", "output_dir", "build_tiny", "target_gguf",
-                           "overwrite_output", "devices", "topology", "target_devices", "drafter_devices",
+PER_NODE_KEYS = frozenset({"target_path", "data_path", "eval_data_path", "output_dir", "runs_dir", "build_tiny",
+                           "target_gguf", "overwrite_output", "devices", "topology", "target_devices", "drafter_devices",
                            "colocated_devices", "num_threads", "queue_depth"})
 
 
@@ -61,6 +62,21 @@ def micro_batch_share(micro_batches_per_step: int, rank: int, world_size: int) -
         raise ConfigError(f"a step has {micro_batches_per_step} micro-batch(es) for {world_size} nodes: raise "
                           "batch_size (or lower micro_batch_size) so that every node has at least one")
     return list(range(rank, micro_batches_per_step, world_size))
+
+
+def default_micro_batch(config, world_size: int):
+    """With micro_batch_size unset (0) on several nodes, the global batch is shared among them: each node one
+    micro-batch of batch_size / world_size sequences a step (a batch that does not divide evenly is refused in
+    one line). Returns (the config with micro_batch_size set, the words for the log), or (config, "") when
+    micro_batch_size is set or the run has one node."""
+    if config.micro_batch_size or world_size <= 1:
+        return config, ""
+    if config.batch_size % world_size:
+        raise ConfigError(f"batch_size ({config.batch_size}) cannot be shared evenly among {world_size} nodes "
+                          f"(micro_batch_size unset): make it a multiple of {world_size}, or set micro_batch_size")
+    rows = config.batch_size // world_size
+    return (dataclasses.replace(config, micro_batch_size=rows),
+            f" (micro_batch_size unset: batch_size {config.batch_size} shared among {world_size} nodes)")
 
 
 def timeouts_of(config) -> Timeouts:

@@ -23,9 +23,11 @@ from training.trainer.batches import StepBatches
 from training.trainer.replicas import DrafterReplica
 
 
-def prepare_output_dir(config: TrainConfig, resume: bool) -> None:
+def prepare_output_dir(config: TrainConfig, resume: bool, per_run: bool = False) -> None:
     """The output dir, made and writable before any slow work; a fresh run may not silently mix with an earlier
-    run's checkpoints."""
+    run's checkpoints. A run's own directory under runs_dir (`per_run`) is never emptied: a fresh run that finds
+    checkpoints there is refused. An explicit output_dir with overwrite_output: the earlier run's checkpoints,
+    metrics and export are deleted (nothing of it is left to be taken for this run's)."""
     output_dir = Path(config.output_dir).expanduser()
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -37,10 +39,14 @@ def prepare_output_dir(config: TrainConfig, resume: bool) -> None:
         check_checkpoint(latest_checkpoint(config.output_dir))  # e.g. a pre-<|MASK|> one: refused before any work
     if resume or latest_checkpoint(config.output_dir) is None:
         return
+    if per_run:
+        raise ConfigError(f"{config.output_dir} already holds checkpoints of an earlier run with this run home: "
+                          "pass --resume to continue it (a run never deletes another run's files)")
     if not config.overwrite_output:
         raise ConfigError(f"{config.output_dir} already holds checkpoints: pass --resume, or set "
                           "overwrite_output=true, or choose another output_dir")
     shutil.rmtree(checkpoints_dir(config.output_dir))
+    shutil.rmtree(output_dir / "export", ignore_errors=True)
     metrics_path(config.output_dir).unlink(missing_ok=True)
 
 
@@ -82,8 +88,9 @@ class CheckpointPolicy:
     run only node 0 writes (`writes`); the others' replicas are the same."""
 
     def __init__(self, config: TrainConfig, leader: DrafterReplica, batches: StepBatches, step: int,
-                 writes: bool = True):
+                 writes: bool = True, run: dict | None = None):
         self.config, self.leader, self.batches, self.writes = config, leader, batches, writes
+        self.run = run  # the run that writes: recorded in every checkpoint's config.json
         self.saved_step = step  # where the run starts is on disk already (or step 0: nothing to keep)
 
     def due(self, step: int) -> bool:
@@ -102,7 +109,8 @@ class CheckpointPolicy:
         leader = self.leader
         try:
             save_checkpoint(self.config.output_dir, step, leader.drafter, leader.optimizer, leader.scheduler,
-                            self.batches.state_before(step), self.config.to_dict(), self.config.keep_checkpoints)
+                            self.batches.state_before(step), self.config.to_dict(), self.config.keep_checkpoints,
+                            run=self.run)
         except CheckpointWriteError as err:
             if last or self.config.on_checkpoint_error != "warn":
                 raise

@@ -12,9 +12,11 @@ from training.checkpoint import checkpoints_dir, latest_checkpoint
 from training.config import TrainConfig
 from training.console import say
 from training.devices import compute_dtype
-from training.distributed import join_nodes, run_fingerprint, tensor_sums
+from training.distributed import default_micro_batch, join_nodes, node_env, run_fingerprint, tensor_sums
 from training.entry import StopSignals
+from training.metrics import announce_output
 from training.pipeline import Pipeline, PipelineConfig, RunResult, StepReport
+from training.run_home import resolve_run_dir, run_record
 from training.trainer.batches import StepBatches, step_flops
 from training.trainer.checkpointing import CheckpointPolicy, prepare_output_dir, restore_checkpoint
 from training.trainer.components import BadStepGuard, EndOfRunExport, Evaluation, StepLog
@@ -56,6 +58,7 @@ class Trainer:
 
     def run(self) -> RunResult:
         """Train to config.max_steps, or until `stop` asks; the steps done and whether it stopped early."""
+        self.resolve()
         layout, devices, backend = pick_layout(self.config)  # refused before joining any node
         dtype = compute_dtype(self.config.dtype, torch.device(layout.replica_devices[0]) if layout else devices[0])
         if self.config.num_threads:
@@ -82,11 +85,21 @@ class Trainer:
             self.say_how_it_ended(result)
         return result
 
+    def resolve(self) -> None:
+        """Once, first: the run's own directory (training/run_home.py), said in the log and to gpuctl pull, and
+        on several nodes the micro-batch size a step's batch is shared in when it is unset."""
+        self.run_dir = resolve_run_dir(self.config, self.resume_requested)
+        self.config = self.run_dir.config
+        say(self.run_dir.line)
+        announce_output("output_dir", self.config.output_dir)  # for `gpuctl pull`
+        env = node_env()
+        self.config, self.shared_batch = default_micro_batch(self.config, env.world_size if env else 1)
+
     def build_world(self, layout, devices: list[torch.device], backend: str, dtype: torch.dtype) -> World:
         """The layout, target, data and drafter replicas; every node checks it builds what node 0 builds."""
         config = self.config
         if self.nodes.leader:
-            prepare_output_dir(config, self.resume_requested)
+            prepare_output_dir(config, self.resume_requested, self.run_dir.per_run)
         world = build_world(config, layout, devices, backend, dtype)
         target, leader = world.targets[0], world.replicas[0]
         say(f"target {config.random_target or config.target_path} (layers {target.layers}, {target.layers_run} of "
@@ -95,7 +108,7 @@ class Trainer:
         say(world.choice.summary() if world.choice is not None else f"layout {world.layout.describe()}")
         say(f"drafter: {config.num_draft_layers} layers, {leader.drafter.num_trainable() / 1e6:.2f} M trainable "
             f"parameters, {len(world.replicas)} replica(s); a step is {config.micro_batches_per_step()} "
-            f"micro-batches of {config.micro_batch_rows()} sequences")
+            f"micro-batches of {config.micro_batch_rows()} sequences{self.shared_batch}")
         self.share = self.nodes.share(config.micro_batches_per_step())
         self.nodes.form_group(leader.device, config.node_backend)
         self.nodes.check_same(lambda: self.fingerprint(world))
@@ -131,7 +144,8 @@ class Trainer:
         self.step_log = StepLog(config, leader, self.batches, world, self.evaluation, self.nodes)
         self.step_log.start(step)
         self.bad_steps = BadStepGuard(config.max_bad_steps)
-        self.checkpoints = CheckpointPolicy(config, leader, self.batches, step, writes=writes)
+        self.checkpoints = CheckpointPolicy(config, leader, self.batches, step, writes=writes,
+                                            run=run_record(self.run_dir.home))
         self.export = EndOfRunExport(config, writes=writes)
 
     def build_pipeline(self, world: World, step: int) -> Pipeline:
