@@ -71,9 +71,9 @@ def test_two_nodes_train_what_one_container_trains(gpuctl, nodes):
     assert "step 8/8" in two.stdout  # node 0's log, followed to its end
     for k in (0, 1):
         assert_close(losses(nodes.path(k, "/workspace/.gpuctl/tl1.metrics.jsonl")), want)
-    assert sorted(p.name for p in nodes.path(0, "/workspace/runs/tiny/checkpoints").iterdir()) == [
+    assert sorted(p.name for p in nodes.path(0, "/workspace/runs/tiny/tl1/checkpoints").iterdir()) == [
         "step_00000004", "step_00000008"]
-    assert not nodes.path(1, "/workspace/runs/tiny/checkpoints").exists()  # node 0 alone writes them
+    assert not nodes.path(1, "/workspace/runs/tiny/tl1/checkpoints").exists()  # node 0 alone writes them
     doc = nodes.gpuctl.status()
     assert (doc["state"], doc["exit_code"]) == ("succeeded", 0)
     assert [(n["state"], n["progress"]["step"]) for n in doc["nodes"]] == [("succeeded", 8)] * 2
@@ -114,7 +114,7 @@ def test_kill_stops_every_node_at_one_step_and_leaves_no_process(two_containers)
     stopped = [[line for line in nodes.path(k, "/workspace/train_tl1.log").read_text().splitlines()
                 if line.startswith("stopped at step")] for k in (0, 1)]
     assert len(stopped[0]) == 1 and stopped[0][0].split(";")[0] == stopped[1][0].split(";")[0]
-    assert list(nodes.path(0, "/workspace/runs/tiny/checkpoints").iterdir())  # node 0 saved the stop's step
+    assert list(nodes.path(0, "/workspace/runs/tiny/tl1/checkpoints").iterdir())  # node 0 saved the stop's step
 
 
 def conversations(count: int) -> list[str]:

@@ -229,6 +229,27 @@ def test_pull_exit_codes(gpuctl, standin, tmp_path):
     assert gpuctl("pull", dest, env={"GPUCTL_PORT": "1"}).code == 3
 
 
+def test_runs_sharing_an_output_dir_never_hand_out_each_others_weights(gpuctl, tmp_path):
+    """The fake trainer writes one output_dir for every run (as a user's explicit output_dir): tl2's export
+    replaced tl1's, so `pull --run 1` refuses in one line instead of handing out tl2's weights under tl1's name;
+    a run that failed at its start (tl3) has nothing of its own either."""
+    train(gpuctl, "steps=2")
+    train(gpuctl, "steps=2")
+    gpuctl.launch_fake("require=/nope")  # exits 3 before any step
+    ended(gpuctl, "failed")
+    export = json.loads(gpuctl.path(f"{OUT}/export/config.json").read_text())
+    assert export["gpuctl"]["home"] == "tl2"  # what the export says of its writer
+    for run in ("1", "3"):
+        refused = gpuctl("pull", "--run", run, str(tmp_path / f"drafter-tl{run}"))
+        assert refused.code == 1 and refused.stderr.count("\n") == 1, refused.stderr
+        assert f"{OUT} holds tl2's export, not tl{run}'s: tl{run} has none of its own" in refused.stderr
+        assert not (tmp_path / f"drafter-tl{run}").exists()
+    doc = pull(gpuctl, "--run", "2", str(tmp_path / "drafter-tl2"))
+    assert doc["run_id"] == "tl2" and tree(tmp_path / "drafter-tl2") == tree(gpuctl.path(f"{OUT}/export"))
+    checkpoint = gpuctl("pull", "--run", "1", "--what", "checkpoint", str(tmp_path / "ckpt-tl1"))
+    assert checkpoint.code == 1 and "holds tl2's checkpoint, not tl1's" in checkpoint.stderr
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
 def test_pull_into_a_directory_it_cannot_write_is_refused(gpuctl, tmp_path):
     locked = tmp_path / "locked"

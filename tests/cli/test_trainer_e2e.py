@@ -20,10 +20,10 @@ def test_tiny_preset_end_to_end(gpuctl, tmp_path):
     assert (doc["state"], doc["exit_code"]) == ("succeeded", 0)
     assert (doc["progress"]["step"], doc["progress"]["total_steps"]) == (60, 60)
     assert doc["progress"]["loss"] > 0
-    assert gpuctl.path("/workspace/runs/tiny").is_dir()  # the trainer ran in --workdir
+    assert gpuctl.path("/workspace/runs/tiny/tl1").is_dir()  # the trainer ran in --workdir, in tl1's own directory
     pulled = gpuctl("pull", str(tmp_path / "drafter"), "--json")  # the export the run wrote at its end
     assert pulled.code == 0, pulled.stderr
-    assert (pulled.json()["source"], pulled.json()["export_made_from"]) == ("/workspace/runs/tiny/export", None)
+    assert (pulled.json()["source"], pulled.json()["export_made_from"]) == ("/workspace/runs/tiny/tl1/export", None)
     assert sorted(p.name for p in (tmp_path / "drafter").iterdir()) == ["config.json", "model.safetensors"]
 
 
@@ -50,7 +50,7 @@ def test_kill_lets_the_trainer_checkpoint_and_exit(gpuctl):
     doc = gpuctl.status()
     assert (doc["state"], doc["exit_code"]) == ("killed", 0)
     assert "checkpoint" in gpuctl("logs", "-n", "3").stdout
-    assert list(gpuctl.path("/workspace/runs/tiny/checkpoints").iterdir()), "no checkpoint written"
+    assert list(gpuctl.path("/workspace/runs/tiny/tl1/checkpoints").iterdir()), "no checkpoint written"
 
 
 def test_launch_resume_continues_from_the_checkpoint(gpuctl, tmp_path):
@@ -64,7 +64,7 @@ def test_launch_resume_continues_from_the_checkpoint(gpuctl, tmp_path):
     resumed = gpuctl("launch", "--resume", "--set", "max_steps=12", "--follow", timeout=600)
     assert resumed.code == 0, resumed.stderr[-3000:]
     assert "started tl2" in resumed.stderr and "resuming tl1" in resumed.stderr
-    assert "resumed from runs/tiny/checkpoints/step_00000006 at step 6" in resumed.stdout
+    assert "resumed from runs/tiny/tl1/checkpoints/step_00000006 at step 6" in resumed.stdout  # tl1's directory
     metrics = gpuctl.path("/workspace/.gpuctl/tl2.metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in metrics] == list(range(7, 13))  # step numbers go on
     assert gpuctl.path("/workspace/train_tl1.log").read_text().rstrip().endswith("done: 6 steps")  # untouched
@@ -85,14 +85,35 @@ def test_pull_exports_a_killed_run_on_demand(gpuctl, tmp_path):
     (the run's interpreter, the staged training.export) and brings config.json and model.safetensors."""
     launch_and_train_to_step_4(gpuctl)
     assert gpuctl("kill", "--grace", "60").code == 0
-    assert not gpuctl.path("/workspace/runs/tiny/export").exists()
+    assert not gpuctl.path("/workspace/runs/tiny/tl1/export").exists()
 
     dest = tmp_path / "drafter"
     pulled = gpuctl("pull", str(dest), "--json", timeout=600)
     assert pulled.code == 0, pulled.stderr[-3000:]
     doc = pulled.json()
-    assert doc["export_made_from"].startswith("/workspace/runs/tiny/checkpoints/step_")
+    assert doc["export_made_from"].startswith("/workspace/runs/tiny/tl1/checkpoints/step_")
     assert sorted(p.name for p in dest.iterdir()) == ["config.json", "model.safetensors"]
     assert json.loads((dest / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
     made = gpuctl.path(doc["source"])
     assert (dest / "model.safetensors").read_bytes() == (made / "model.safetensors").read_bytes()
+
+
+def test_two_runs_of_one_preset_each_pull_their_own_weights(gpuctl, tmp_path):
+    """Runs of one preset write their own directories (runs/tiny/tl1, runs/tiny/tl2): `pull --run 1` and
+    `--run 2` give different weights, each what its own run wrote and recorded."""
+    for seed in (0, 1):
+        ran = gpuctl("launch", "--config", "tiny", "--set", "max_steps=2", "--set", "eval_every=0", "--set",
+                     f"seed={seed}", "--follow", timeout=600)
+        assert ran.code == 0, ran.stderr[-3000:]
+    weights = {}
+    for run in (1, 2):
+        dest = tmp_path / f"drafter-tl{run}"
+        pulled = gpuctl("pull", "--run", str(run), str(dest), "--json", timeout=600)
+        assert pulled.code == 0, pulled.stderr[-3000:]
+        assert pulled.json()["source"] == f"/workspace/runs/tiny/tl{run}/export"
+        own = gpuctl.path(f"/workspace/runs/tiny/tl{run}/export/model.safetensors").read_bytes()
+        weights[run] = (dest / "model.safetensors").read_bytes()
+        assert weights[run] == own
+        assert json.loads((dest / "config.json").read_text())["gpuctl"]["home"] == f"tl{run}"
+    assert weights[1] != weights[2]
+
