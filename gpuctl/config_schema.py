@@ -46,12 +46,12 @@ def matches(value: Any, spec: Spec) -> bool:
 
 def parse_override(text: str) -> tuple[str, Any]:
     """training.config.parse_override: VALUE read as a TOML literal, else as a plain string; one that opens a
-    list, a table or a quoted string but is not one (`devices=[0,1`) is refused."""
+    list or a table but is not one (`devices=[0,1`) is refused."""
     key, _, raw = text.partition("=")
     try:
         value = tomllib.loads(f"value = {raw}")["value"]
     except tomllib.TOMLDecodeError as err:
-        if raw.lstrip().startswith(("[", "{", '"', "'")):
+        if raw.lstrip().startswith(("[", "{")):
             raise usage_error(f"--set {text}: {raw.strip()} is not a valid TOML value ({err})") from None
         value = raw
     return key.strip(), value

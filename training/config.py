@@ -20,7 +20,7 @@ PRESETS_DIR = Path(__file__).parent / "presets"
 DTYPES = ("auto", "bfloat16", "float32")
 ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
 ON_CHECKPOINT_ERROR = ("stop", "warn")
-TOML_OPENERS = ("[", "{", '"', "'")  # a --set value starting so is meant as a TOML literal
+TOML_OPENERS = ("[", "{")  # a --set value starting so is meant as a TOML list or table, never as text
 TOPOLOGY = re.compile(r"^(\d+):(\d+)$")
 RANDOM_TARGETS = ("qwen3-8b", "qwen3-8b-narrow")  # training/random_world.py builds them
 
@@ -249,7 +249,7 @@ def _apply(values: dict, where: str, config) -> None:
 
 def parse_override(text: str) -> tuple[str, object]:
     """KEY=VALUE with VALUE read as a TOML literal (42, 1e-4, true, [0, 1], "x"), else as a plain string; a
-    value that opens a list, a table or a quoted string but is not one (`[0,1`) is refused, not taken as text."""
+    value that opens a list or a table but is not one (`[0,1`) is refused, not taken as text."""
     key, sep, raw = text.partition("=")
     key = key.strip()
     if not sep or not key:

@@ -41,7 +41,7 @@ def test_override_values_are_toml_literals_else_strings():
     assert parse_override("a=true") == ("a", True)
     assert parse_override("a=/some/path") == ("a", "/some/path")
     assert parse_override('a="quoted"') == ("a", "quoted")
-    for meant_as_toml in ("devices=[0,1", "a={x = 1", 'a="open'):  # not text: a literal with a typo
+    for meant_as_toml in ("devices=[0,1", "a={x = 1"):  # not text: a list or table with a typo
         with pytest.raises(ConfigError, match="is not a valid TOML value"):
             parse_override(meant_as_toml)
 
