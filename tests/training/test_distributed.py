@@ -32,6 +32,7 @@ from training.distributed import (
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
 REL_TOL = 1e-5
+SECRET = "0123456789abcdef-two-nodes-test-secret"  # every node's, unless a test gives another
 # A step of 4 micro-batches of one sequence: 2 to each of 2 nodes; a metrics record and a loss every step.
 SMALL = ["num_threads=1", "eval_every=0", "batch_size=4", "micro_batch_size=1", "log_every=1", "max_steps=8",
          "save_every=4", "keep_checkpoints=2"]
@@ -48,26 +49,40 @@ def trainer_args(world, output_dir: Path, *overrides: str, resume: bool = False)
     return ["--config", "tiny", *[a for s in sets for a in ("--set", s)], *(["--resume"] if resume else [])]
 
 
+def secret_file(path: Path, secret: str) -> Path:
+    """The node secret in a file only its owner reads, as gpuctl writes it in each container."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.write(secret + "\n")
+    return path
+
+
 def start_node(args: list[str], rank: int, world_size: int, port: int, log: Path,
-               interface: str = "lo") -> subprocess.Popen:
+               interface: str = "lo", secret: str | None = SECRET) -> subprocess.Popen:
+    """One trainer process as node `rank`; with `secret`, the run's node secret in a file of its own."""
     env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": interface}
-    env.pop("GPUCTL_METRICS", None)
+    for key in ("GPUCTL_METRICS", "GPUCTL_NODE_SECRET", "GPUCTL_NODE_SECRET_FILE"):
+        env.pop(key, None)
+    if secret is not None:
+        env["GPUCTL_NODE_SECRET_FILE"] = str(secret_file(log.with_suffix(".secret"), secret))
     with open(log, "w") as out:
         return subprocess.Popen([sys.executable, "-m", "training.train", *args], cwd=REPO, env=env, stdout=out,
                                 stderr=subprocess.STDOUT)
 
 
 def start_nodes(tiny_world, tmp_path: Path, name: str, per_node: list[list[str]], resume: bool = False,
-                world_size: int | None = None,
-                interface: str = "lo") -> tuple[list[subprocess.Popen], list[Path], list[Path]]:
-    """One trainer process per entry of `per_node` (its own overrides), each with its own output dir."""
-    port = free_port()
+                world_size: int | None = None, interface: str = "lo", secrets: list[str | None] | None = None,
+                port: int | None = None) -> tuple[list[subprocess.Popen], list[Path], list[Path]]:
+    """One trainer process per entry of `per_node` (its own overrides), each with its own output dir and the
+    run's node secret (or `secrets`, one per node)."""
+    port = port or free_port()
+    secrets = secrets or [SECRET] * len(per_node)
     outputs = [tmp_path / f"{name}-node{rank}" for rank in range(len(per_node))]
     logs = [tmp_path / f"{name}-node{rank}.log" for rank in range(len(per_node))]
     procs = [start_node(trainer_args(tiny_world, out, *sets, resume=resume), rank, world_size or len(per_node),
-                        port, log, interface)
-             for rank, (out, sets, log) in enumerate(zip(outputs, per_node, logs))]
+                        port, log, interface, secret)
+             for rank, (out, sets, log, secret) in enumerate(zip(outputs, per_node, logs, secrets))]
     return procs, outputs, logs
 
 

@@ -8,6 +8,11 @@ A run is multi-node when WORLD_SIZE > 1: the env:// variables RANK, WORLD_SIZE, 
 (gpuctl sets them, one process per node; torchrun sets the same). Node 0 hosts the rendezvous (a TCPStore on
 MASTER_PORT) and is the only one that writes checkpoints, the run's metrics and the export.
 
+Trust (training/distributed/secret.py, wire.py): with a node secret ($GPUCTL_NODE_SECRET_FILE, else
+$GPUCTL_NODE_SECRET), every node and node 0 prove it to each other (HMAC over a challenge, through the store)
+before the process group forms; without one the trainer warns and goes on. Nothing a node sends is unpickled:
+JSON in tensors, checked before use; the names node 0 sends with its checkpoint are checked.
+
 Timeouts: joining waits `node_start_timeout_s` for every node (a node that never starts does not hold the
 others for ten minutes); collectives around slow, uneven work (start, the first step after warm-up, node 0's
 checkpoints, evaluations and export) wait `node_sync_timeout_s`; steady-state steps wait `node_timeout_s`.

@@ -15,12 +15,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from training.checkpoint import FILES as CHECKPOINT_FILES
 from training.config import ConfigError
-from training.console import say
+from training.console import say, warn
 from training.distributed.env import NodeEnv, NodeLost, Timeouts, micro_batch_share, node_env, timeouts_of
 from training.distributed.fingerprint import fingerprint_difference
 from training.distributed.heartbeat import HEARTBEAT_LOST_S, Heartbeat, describe_ranks
+from training.distributed.secret import NO_SECRET_LINE, prove_joiners, prove_to_leader, read_node_secret
 from training.distributed.single import SingleNode
+from training.distributed.wire import (
+    MAX_MESSAGE_BYTES,
+    Malformed,
+    check_figures,
+    check_fingerprint,
+    check_listing,
+    decode,
+    encode,
+)
 
 _NAMING_S = 3.0  # after a failed collective: a node silent this long is the one that went
 _BUCKET_BYTES = 256 * 2**20  # gradients are all-reduced in flat buckets of this size
@@ -33,24 +44,38 @@ class Nodes:
     Every collective is called in the same order on every node; a failed one raises NodeLost naming the node
     that went, when the heartbeats tell."""
 
-    def __init__(self, env: NodeEnv, timeouts: Timeouts, on_lost: Callable[[str], None]):
-        """Join node 0's rendezvous (every node within timeouts.start_s) and start beating. The process group
-        comes later (`form_group`), once this node knows the device its collectives run on."""
+    def __init__(self, env: NodeEnv, timeouts: Timeouts, on_lost: Callable[[str], None],
+                 secret: bytes | None = None):
+        """Join node 0's rendezvous (every node within timeouts.start_s; with `secret`, every node proves it
+        holds it, both ways, before anything else: training/distributed/secret.py) and start beating. The
+        process group comes later (`form_group`), once this node knows the device its collectives run on."""
         self.rank, self.world_size, self.env = env.rank, env.world_size, env
         self.timeouts = timeouts
         self.device, self.backend = torch.device("cpu"), "gloo"  # form_group's
         self.first_step: int | None = None  # begin's: that step's collectives wait out everyone's warm-up
         self.per_step = 0  # share's: a step's micro-batches on every node together
         self._all_reduce_spans: list[tuple[Any, Any]] = []  # per step since the last take: (start, end) marks
+        deadline = time.monotonic() + timeouts.start_s
         try:
-            self.store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, env.rank == 0,
-                                       timeout=timedelta(seconds=timeouts.start_s), wait_for_workers=True)
+            raw = dist.TCPStore(env.master_addr, env.master_port, env.world_size, env.rank == 0,
+                                timeout=timedelta(seconds=timeouts.start_s), wait_for_workers=secret is None)
+            # Without a secret the keys are where they always were; with one, under a prefix only the proven
+            # nodes can name, so a stranger takes no part in the group's formation nor in the heartbeats.
+            self.store, prefix = raw, None
+            if secret is not None:
+                prove = prove_joiners if env.rank == 0 else prove_to_leader
+                prefix = prove(raw, secret, env, deadline, timeouts.start_s)
+                self.store = dist.PrefixStore(prefix, raw)
             # Its own connection: the heartbeat thread never waits behind the process group's use of the store.
             beat_store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, False,
                                        timeout=timedelta(seconds=30), wait_for_workers=False)
+            if prefix is not None:
+                beat_store = dist.PrefixStore(prefix, beat_store)
             self.heartbeat = Heartbeat(beat_store, env.rank, env.world_size, min(HEARTBEAT_LOST_S, timeouts.step_s),
                                        on_lost)
-            beat_store.wait(self.heartbeat.keys, timedelta(seconds=timeouts.start_s))  # every node has beaten
+            beat_store.wait(self.heartbeat.keys, timedelta(seconds=max(0.1, deadline - time.monotonic())))
+        except NodeLost:
+            raise
         except Exception as err:  # noqa: BLE001 - torch raises several kinds here; all mean "could not join"
             raise NodeLost(self._join_failure(err)) from None
         self.heartbeat.start()
@@ -66,7 +91,7 @@ class Nodes:
         if self.backend == "nccl" and self.device.type != "cuda":
             raise ConfigError("node_backend=nccl needs the drafter replicas on GPUs; use gloo (or auto) on the CPU")
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # the object collectives use the current device
+            torch.cuda.set_device(self.device)  # NCCL's collectives use the current device
         if self.backend == "nccl":
             # A failed or timed-out NCCL collective raises in the thread that waits on it (one line, exit 6),
             # instead of the watchdog aborting the process.
@@ -214,11 +239,42 @@ class Nodes:
             return sum(start.elapsed_time(end) for start, end in spans) / len(spans)
         return 1000 * sum(end - start for start, end in spans) / len(spans)
 
-    def gather(self, value: Any, what: str) -> list[Any]:
-        """Every node's `value` (small, picklable), in rank order."""
-        values: list[Any] = [None] * self.world_size
-        self._collective(what, dist.all_gather_object, values, value, group=self._step_group)
-        return values
+    def gather(self, value: Any, what: str, check: Callable[[int], Callable[[Any], None]]) -> list[Any]:
+        """Every node's `value` (small, JSON), in rank order, each passed by `check(rank)` (wire.py's)."""
+        payloads = self._all_gather_bytes(encode(value), what, self._step_group)
+        return [decode(data, rank, what, check(rank)) for rank, data in enumerate(payloads)]
+
+    def _all_gather_bytes(self, payload: bytes, what: str, group) -> list[bytes]:
+        """Every node's `payload`, in rank order: their sizes, then the bytes padded to the largest (tensor
+        collectives: nothing is unpickled). A size over MAX_MESSAGE_BYTES is refused before any is sent."""
+        mine = torch.tensor([len(payload)], dtype=torch.int64, device=self.comm_device)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=self.comm_device) for _ in range(self.world_size)]
+        self._collective(what, dist.all_gather, sizes, mine, group=group)
+        lengths = [int(size.item()) for size in sizes]
+        for rank, length in enumerate(lengths):
+            if not 0 <= length <= MAX_MESSAGE_BYTES:
+                raise Malformed(f"node {rank} announced a {what} of {length} bytes (at most {MAX_MESSAGE_BYTES}): "
+                                "refusing it (a stranger, or a trainer of another version)")
+        padded = torch.zeros(max(lengths), dtype=torch.uint8)
+        if payload:
+            padded[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        rows = [torch.empty(max(lengths), dtype=torch.uint8, device=self.comm_device) for _ in lengths]
+        self._collective(what, dist.all_gather, rows, padded.to(self.comm_device), group=group)
+        return [row[:length].cpu().numpy().tobytes() for row, length in zip(rows, lengths)]
+
+    def _broadcast_bytes(self, payload: bytes | None, what: str) -> bytes:
+        """Node 0's `payload` on every node (its size, then its bytes), at most MAX_MESSAGE_BYTES."""
+        size = torch.tensor([len(payload) if self.leader else 0], dtype=torch.int64, device=self.comm_device)
+        self._collective(what, dist.broadcast, size, src=0, group=self._sync_group)
+        length = int(size.item())
+        if not 0 <= length <= MAX_MESSAGE_BYTES:
+            raise Malformed(f"node 0 announced a {what} of {length} bytes (at most {MAX_MESSAGE_BYTES}): refusing it")
+        data = torch.zeros(length, dtype=torch.uint8)
+        if self.leader and length:
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        data = data.to(self.comm_device)
+        self._collective(what, dist.broadcast, data, src=0, group=self._sync_group)
+        return data.cpu().numpy().tobytes()
 
     def wait_for_leader(self, what: str) -> None:
         """Meet every node, with the long timeout: node 0 arrives after its checkpoint, evaluation or export."""
@@ -230,7 +286,7 @@ class Nodes:
         every node's own (`nodes`), each other node its own and its all-reduce time."""
         mine = {"node": self.rank, "tokens_per_s": round(tokens_per_s, 1), "tflops_per_s": tflops_per_s,
                 "busy": busy, "all_reduce_ms": self.take_all_reduce_ms()}
-        everyone = self.gather(mine, f"step {step}'s metrics")
+        everyone = self.gather(mine, f"step {step}'s metrics", check_figures)
         if not self.leader:
             return tokens_per_s, tflops_per_s, {"node": self.rank, "all_reduce_ms": mine["all_reduce_ms"]}
         return (sum(node["tokens_per_s"] for node in everyone),
@@ -239,9 +295,9 @@ class Nodes:
     def check_same(self, fingerprint: Callable[[], dict[str, Any]]) -> None:
         """Refuse (ConfigError, on every node alike) a run whose nodes differ in config, data, target or drafter
         from node 0: `fingerprint()` maps each to what this node has (see run_fingerprint)."""
-        everyone: list[Any] = [None] * self.world_size
-        self._collective("the start's check of config, data and target", dist.all_gather_object, everyone,
-                         fingerprint(), group=self._sync_group)
+        what = "fingerprint of config, data and target"
+        payloads = self._all_gather_bytes(encode(fingerprint()), f"the start's {what}", self._sync_group)
+        everyone = [decode(data, rank, what, check_fingerprint) for rank, data in enumerate(payloads)]
         first = everyone[0]
         for rank, theirs in enumerate(everyone[1:], 1):
             difference = fingerprint_difference(first, theirs)
@@ -271,15 +327,13 @@ class Nodes:
         None on every node when node 0 has none."""
         files = None
         if self.leader and checkpoint is not None:
-            files = {"name": checkpoint.name,
-                     "files": [[p.name, p.stat().st_size] for p in sorted(checkpoint.iterdir()) if p.is_file()]}
-        listing = [files]
-        self._collective("the checkpoint listing", dist.broadcast_object_list, listing, src=0,
-                         group=self._sync_group)
-        files = listing[0]
+            files = {"name": checkpoint.name, "files": [[name, (checkpoint / name).stat().st_size]
+                                                        for name in CHECKPOINT_FILES if (checkpoint / name).is_file()]}
+        listing = self._broadcast_bytes(encode(files) if self.leader else None, "checkpoint listing")
+        files = decode(listing, 0, "checkpoint listing", check_listing(CHECKPOINT_FILES))
         if files is None:
             return None
-        copy = into / files["name"]
+        copy = into / files["name"]  # a plain step_NNNNNNNN name (check_listing): inside `into`
         if not self.leader:
             shutil.rmtree(copy, ignore_errors=True)
             copy.mkdir(parents=True)
@@ -320,5 +374,9 @@ def join_nodes(config, on_lost: Callable[[str], None]) -> Nodes | SingleNode:
     if env is None:
         return SingleNode()
     micro_batch_share(config.micro_batches_per_step(), env.rank, env.world_size)  # refused before joining
-    say(f"node {env.rank} of {env.world_size}: joining node 0 at {env.master_addr}:{env.master_port}")
-    return Nodes(env, timeouts_of(config), on_lost)
+    secret = read_node_secret()
+    say(f"node {env.rank} of {env.world_size}: joining node 0 at {env.master_addr}:{env.master_port}"
+        f"{', proving the node secret' if secret else ''}")
+    if secret is None:
+        warn(NO_SECRET_LINE)
+    return Nodes(env, timeouts_of(config), on_lost, secret)

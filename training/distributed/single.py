@@ -61,7 +61,7 @@ class SingleNode:
     def take_all_reduce_ms(self) -> float | None:
         return None
 
-    def gather(self, value: Any, what: str) -> list[Any]:
+    def gather(self, value: Any, what: str, check: Callable[[int], Callable[[Any], None]]) -> list[Any]:
         return [value]
 
     def combine_figures(self, step: int, tokens_per_s: float, tflops_per_s: float,

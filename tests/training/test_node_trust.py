@@ -1,0 +1,189 @@
+"""Between nodes (issue 24, DESIGN §11): nothing a peer sends is unpickled, a per-run secret proves every node
+before the process group forms, and what a peer names is checked. A stranger here is a real process joining
+node 0's rendezvous with plain torch.distributed (stranger_node.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_distributed import (
+    REPO,
+    error_lines,
+    free_port,
+    start_node,
+    start_nodes,
+    stop_all,
+    trainer_args,
+    wait_all,
+)
+
+from training.checkpoint import FILES
+from training.config import ConfigError
+from training.distributed import NodeLost, Nodes
+from training.distributed.secret import NO_SECRET_LINE, read_node_secret
+
+QUICK = ["node_start_timeout_s=5", "node_sync_timeout_s=15", "node_timeout_s=15"]
+
+
+def start_stranger(port: int, marker: Path, log: Path, forge: bool = False) -> subprocess.Popen:
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, str(REPO / "tests" / "training" / "stranger_node.py"), str(port),
+                                 str(marker), *(["--forge-proof"] if forge else [])], cwd=REPO, stdout=out,
+                                stderr=subprocess.STDOUT)
+
+
+def joining_at(proc: subprocess.Popen, log: Path, timeout: float = 120) -> float:
+    """When node 0 began to wait for the others (its 'joining' line)."""
+    deadline = time.monotonic() + timeout
+    while "joining node 0" not in log.read_text():
+        assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.05)
+    return time.monotonic()
+
+
+def node_0_with_a_stranger(tiny_world, tmp_path: Path, secret: str | None, forge: bool = False):
+    """Node 0 of 2 and a stranger as node 1: node 0's exit code, its log, how long it waited after it began to
+    join, and the stranger's log. The marker file must never appear."""
+    port, marker = free_port(), tmp_path / "code-ran-in-node-0"
+    log = tmp_path / "node0.log"
+    node0 = start_node(trainer_args(tiny_world, tmp_path / "node0", *QUICK), 0, 2, port, log, secret=secret)
+    stranger = start_stranger(port, marker, tmp_path / "stranger.log", forge)
+    try:
+        began = joining_at(node0, log)
+        code = node0.wait(120)
+        waited = time.monotonic() - began
+    finally:
+        stop_all([node0, stranger])
+    assert not marker.exists(), "the stranger's pickle ran code in node 0"
+    return code, log, waited, (tmp_path / "stranger.log").read_text()
+
+
+def test_a_stranger_without_the_secret_is_refused_within_the_start_timeout_and_runs_no_code(tiny_world, tmp_path):
+    code, log, waited, _ = node_0_with_a_stranger(tiny_world, tmp_path, "the run's secret, 32 bytes long..")
+    assert code == 6 and waited < 5 + 5, (code, waited)
+    (line,) = error_lines(log)
+    assert "not every node joined within 5 s" in line and "node 1 has not proven the run's node secret" in line
+
+
+def test_a_stranger_writing_another_nodes_proof_is_refused_at_once(tiny_world, tmp_path):
+    code, log, waited, _ = node_0_with_a_stranger(tiny_world, tmp_path, "the run's secret, 32 bytes long..",
+                                                  forge=True)
+    assert code == 6 and waited < 5 + 5, (code, waited)
+    (line,) = error_lines(log)
+    assert "refused node 1" in line and "nothing it sent is used" in line, line
+
+
+def test_without_a_secret_a_stranger_still_runs_no_code_and_node_0_stops_with_a_line(tiny_world, tmp_path):
+    code, log, _, stranger = node_0_with_a_stranger(tiny_world, tmp_path, None)
+    assert "in the process group" in stranger  # it joined: only the secret keeps it out
+    assert NO_SECRET_LINE in log.read_text()
+    assert code == 6
+    (line,) = error_lines(log)
+    assert "node 1 sent a malformed fingerprint" in line, line
+
+
+def test_nodes_with_different_secrets_are_refused_at_start(tiny_world, tmp_path):
+    procs, _, logs = start_nodes(tiny_world, tmp_path, "secrets", [QUICK, QUICK],
+                                 secrets=["one secret, long enough to use", "another secret, long enough too"])
+    try:
+        codes = wait_all(procs, 120)
+    finally:
+        stop_all(procs)
+    assert codes == [6, 6], "\n".join(log.read_text()[-3000:] for log in logs)
+    (line0,) = error_lines(logs[0])
+    assert "refused node 1" in line0, line0
+    (line1,) = error_lines(logs[1])
+    assert "node 0 at 127.0.0.1" in line1 and ("refused this node" in line1 or "ended before" in line1), line1
+
+
+# What a peer names.
+
+class FakeLeader:
+    """Node 0 at the collective level, as node 1's Nodes sees it: it broadcasts `listing` (the checkpoint's
+    name and files), then zeros for each file's chunks."""
+
+    def __init__(self, listing: dict):
+        self.payload = json.dumps(listing).encode()
+        self.sent_size = False
+
+    def __call__(self, what, op, *args, **kwargs):
+        if op is torch.distributed.broadcast_object_list:  # the code before issue 24
+            args[0][0] = json.loads(self.payload)
+            return
+        tensor = args[0]
+        if tensor.dtype == torch.int64 and not self.sent_size:
+            tensor.fill_(len(self.payload))
+            self.sent_size = True
+        elif tensor.numel() == len(self.payload) and tensor.dtype == torch.uint8 and not hasattr(self, "done"):
+            tensor.copy_(torch.frombuffer(bytearray(self.payload), dtype=torch.uint8))
+            self.done = True
+        else:
+            tensor.zero_()
+
+
+def receiving_node(listing: dict) -> Nodes:
+    nodes = object.__new__(Nodes)
+    nodes.rank, nodes.world_size, nodes.backend = 1, 2, "gloo"
+    nodes.device, nodes._sync_group = torch.device("cpu"), None
+    nodes._collective = FakeLeader(listing)
+    return nodes
+
+
+@pytest.mark.parametrize("listing", [
+    {"name": "../../escaped", "files": [["state.pt", 4]]},
+    {"name": "step_00000004", "files": [["../../escaped.pt", 4]]},
+    {"name": "/tmp/absolute-escape", "files": [["state.pt", 4]]},
+    {"name": "step_00000004", "files": [["/tmp/absolute-escape.pt", 4]]},
+    {"name": "step_00000004", "files": [["state.pt\0", 4]]},
+    {"name": "step_00000004", "files": [["run_me.py", 4]]},
+    {"name": "step_00000004", "files": [["state.pt", -1]]},
+], ids=["dotdot-dir", "dotdot-file", "absolute-dir", "absolute-file", "nul", "unexpected", "negative"])
+def test_a_peer_sent_checkpoint_name_outside_the_expected_set_is_refused(tmp_path, listing):
+    into = tmp_path / "a" / "b" / ".from-node0" / "node1"
+    into.mkdir(parents=True)
+    before = sorted(tmp_path.rglob("*"))
+    with pytest.raises(NodeLost, match="node 0 sent a malformed checkpoint listing") as refused:
+        receiving_node(listing).share_checkpoint(None, into)
+    assert "\n" not in str(refused.value)
+    assert sorted(tmp_path.rglob("*")) == before
+    assert not Path("/tmp/absolute-escape").exists() and not Path("/tmp/absolute-escape.pt").exists()
+
+
+def test_a_well_formed_listing_is_received_inside_into(tmp_path):
+    into = tmp_path / "node1"
+    copy = receiving_node({"name": "step_00000004", "files": [[name, 3] for name in FILES]}).share_checkpoint(
+        None, into)
+    assert copy == into / "step_00000004" and sorted(p.name for p in copy.iterdir()) == sorted(FILES)
+
+
+# Where the secret comes from.
+
+def test_the_node_secret_comes_from_a_private_file_or_a_variable(tmp_path):
+    path = tmp_path / "secret"
+    path.write_text("s" * 40 + "\n")
+    path.chmod(0o600)
+    assert read_node_secret({"GPUCTL_NODE_SECRET_FILE": str(path)}) == b"s" * 40
+    environ = {"GPUCTL_NODE_SECRET": "v" * 20}
+    assert read_node_secret(environ) == b"v" * 20 and "GPUCTL_NODE_SECRET" not in environ  # not inherited
+    assert read_node_secret({}) is None
+    path.chmod(0o644)
+    with pytest.raises(ConfigError, match="open to other users"):
+        read_node_secret({"GPUCTL_NODE_SECRET_FILE": str(path)})
+    with pytest.raises(ConfigError, match="both"):
+        read_node_secret({"GPUCTL_NODE_SECRET_FILE": str(path), "GPUCTL_NODE_SECRET": "v" * 20})
+    with pytest.raises(ConfigError, match="at least 16"):
+        read_node_secret({"GPUCTL_NODE_SECRET": "short"})
+    with pytest.raises(ConfigError, match="cannot read"):
+        read_node_secret({"GPUCTL_NODE_SECRET_FILE": str(tmp_path / "missing")})
+
+
+def test_no_object_collective_in_training():
+    found = [f"{p}:{n}" for p in (REPO / "training").rglob("*.py")
+             for n, line in enumerate(p.read_text().splitlines(), 1) if "_object(" in line or "_object_list(" in line]
+    assert not found, found
