@@ -37,6 +37,7 @@ from gpuctl.cli.options import (
     MasterPort,
     NodeAddresses,
     PlotOutput,
+    RawLog,
     Replace,
     Resume,
     Retry,
@@ -149,12 +150,16 @@ def launch(flags: AddressFlags, out: Output, stats: ssh.Stats, task: Task = None
     return ExitCode.RUN_FAILED if result.failed else ExitCode.OK
 
 
-def _follow(out: Output, ct: Container, run_number: int, lines: int | None, offset: int | None) -> int:
+def _follow(out: Output, ct: Container, run_number: int, lines: int | None, offset: int | None,
+            raw: bool = False) -> int:
+    log = out.log_writer(raw)
     try:
-        run = commands.follow_log(ct, run_number, lines, out.write_bytes, offset=offset, notify=out.message)
+        run = commands.follow_log(ct, run_number, lines, log.write, offset=offset, notify=out.message)
     except KeyboardInterrupt:
         raise GpuctlError("detached; the run goes on (gpuctl logs -f follows it again)",
                           ExitCode.INTERRUPTED) from None
+    finally:
+        log.close()
     render.run_ended(out, run)
     return commands.follow_exit_code(run)
 
@@ -170,13 +175,18 @@ def _raise_first(errors: list[GpuctlError], out: Output) -> None:
 @app.command()
 @with_address
 def logs(flags: AddressFlags, out: Output, stats: ssh.Stats, run: RunOpt = None, tail: Tail = None,
-         follow: LogsFollow = False, node: LogNode = None) -> int:
-    """Print a run's log (the latest run's by default); only the log's own lines go to stdout."""
+         follow: LogsFollow = False, node: LogNode = None, raw: RawLog = False) -> int:
+    """Print a run's log (the latest run's by default); only the log's own lines go to stdout: its bytes as they
+    are to a pipe or a file, to a terminal with its control characters made visible (unless --raw)."""
     address, number = commands.resolve(flags).log_source(node, parse_run_ref(run))
     with commands.connected(address, stats) as ct:
         if follow:
-            return _follow(out, ct, number, lines=tail, offset=None)
-        commands.print_log(ct, number, tail, out.write_bytes)
+            return _follow(out, ct, number, lines=tail, offset=None, raw=raw)
+        log = out.log_writer(raw)
+        try:
+            commands.print_log(ct, number, tail, log.write)
+        finally:
+            log.close()
     return ExitCode.OK
 
 

@@ -178,9 +178,10 @@ class PendingStart:
         return _active_conflict(self.ct, self.report.active[0])
 
     def finish(self, package_for: PackageFor, replace_active: bool, notify: Notify, progress: Progress | None = None,
-               number: int | None = None) -> LaunchResult:
+               number: int | None = None, secret: str | None = None) -> LaunchResult:
         """The second half: (with --replace, the active runs killed) stage package_for(the report), start the task
-        as run `number` (None: the next one there), wait until it runs."""
+        as run `number` (None: the next one there), wait until it runs. secret: a multi-node run's node secret,
+        which the container keeps for the run in tlN.secret (launch_go)."""
         ct, remote, report = self.ct, self.remote, self.report
         replaced = []
         if report.active:
@@ -192,7 +193,7 @@ class PendingStart:
                 replaced.append(kill(ct, active.number, "TERM", grace=30.0, notify=notify))
         package = package_for(report)
         plan = plan_stage(package, report.manifest)
-        remote.send(launch_go(plan.changed_bytes, package.manifest(), number))
+        remote.send(launch_go(plan.changed_bytes, package.manifest(), number, secret))
         tracker = progress(plan.changed_bytes) if progress and plan.archive else None
         try:
             sent_file_bytes = remote.send(plan.archive, kind="files", progress=tracker)

@@ -9,6 +9,7 @@ the user's --env; node 0 is the first node given.
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -104,11 +105,13 @@ def launch(nodes: list[Node], opts: LaunchOptions, master_addr: str | None, mast
                "MASTER_ADDR=127.0.0.1, which only the nodes on its host can reach; pass --master-addr")
     roles = [replace(role, master_addr=addr, master_port=master_port) for role in roles]
 
+    secret = secrets.token_hex(32)  # the run's node secret (a resume's too: a new one), the same on every node
+
     def start(node: Node) -> LaunchResult:
         node_opts, config_file = checked[node.index]
         node_opts = replace(node_opts, node=roles[node.index])
         result = pending[node.index].finish(launch_package(node_opts, config_file), opts.replace,
-                                            node.say(notify), number=number)
+                                            node.say(notify), number=number, secret=secret)
         return replace(result, resumed_from=node_opts.resume)
 
     def interrupted() -> None:

@@ -60,11 +60,15 @@ LAUNCH_WAITING = section("waiting", b"")
 LAUNCH_ABORT = b"abort\n"
 
 
-def launch_go(archive_bytes: int, manifest: bytes, number: int | None = None) -> bytes:
-    """`go BYTES [NUMBER]`, the new package's manifest, an empty line: the archive's BYTES follow. NUMBER: the run
-    number to take (a multi-node run's, the same on every node); without it the script picks the next one."""
-    number_field = f" {number}" if number is not None else ""
-    return f"go {archive_bytes}{number_field}\n".encode() + manifest + b"\n"
+def launch_go(archive_bytes: int, manifest: bytes, number: int | None = None, secret: str | None = None) -> bytes:
+    """`go BYTES [NUMBER [SECRET]]`, the new package's manifest, an empty line: the archive's BYTES follow.
+    NUMBER: the run number to take (a multi-node run's, the same on every node); without it the script picks the
+    next one. SECRET: a multi-node run's node secret (hex), which the script writes to tlN.secret (0600) for the
+    trainer: on stdin, so it is on no command line and in no script text."""
+    if secret is not None and (number is None or not re.fullmatch(r"[0-9a-f]{32,}", secret)):
+        raise ValueError("a node secret is hex, at least 32 digits, and goes with a run number")
+    fields = "".join(f" {value}" for value in (number, secret) if value is not None)
+    return f"go {archive_bytes}{fields}\n".encode() + manifest + b"\n"
 
 
 @dataclass(frozen=True)

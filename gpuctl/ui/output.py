@@ -1,16 +1,72 @@
 """Where gpuctl writes (httpie's Environment, smaller): stdout for what a command gives (one JSON document, a
 table, the log's own bytes), stderr for people. One Output is made per invocation and passed down; a test
 hands in its own streams. Streams not given are sys.stdout and sys.stderr as they are when written.
+
+Nothing a container sends takes over the terminal: every text gpuctl shows (through Rich, message, error,
+log_tail) has its control characters made visible by visible(); a log written to a terminal goes through
+LogView. JSON documents stay exact data (json.dumps escapes control characters as \\u00XX itself).
 """
 
 from __future__ import annotations
 
+import codecs
 import json
+import re
 import sys
+from collections.abc import Iterable
 from typing import Any, TextIO
 
-from rich.console import Console, RenderableType
+from rich.console import Console, ConsoleOptions, RenderableType
+from rich.segment import Segment
 from rich.text import Text
+
+# C0 but newline and tab, DEL, and C1 (U+0080-U+009F): what a terminal may act on rather than show.
+CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def visible(text: str) -> str:
+    """Text from a container, safe to show: each control character (CONTROL) as a \\xNN escape, ESC as \\x1b,
+    DEL as \\x7f, CSI as \\x9b; newlines and tabs stay."""
+    return CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", text)
+
+
+def visible_log(text: str) -> str:
+    """A log's lines for a terminal: a carriage return ends a line (a progress bar shows as lines), the rest as
+    visible()."""
+    return visible(text.replace("\r\n", "\n").replace("\r", "\n"))
+
+
+class LogView:
+    """A log's bytes as they arrive, for a terminal: decoded as UTF-8 across chunk boundaries (what is not UTF-8
+    shows as U+FFFD) and made visible_log(); a trailing carriage return waits for the next chunk (\\r\\n is one
+    line end)."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._cr = False
+
+    def feed(self, data: bytes, final: bool = False) -> str:
+        text = ("\r" if self._cr else "") + self._decoder.decode(data, final)
+        self._cr = not final and text.endswith("\r")
+        return visible_log(text[:-1] if self._cr else text)
+
+
+class VisibleConsole(Console):
+    """A Rich console that shows every text segment through visible(): whatever a remote string inside a table
+    or a Text holds (Text itself strips only BEL, BS, VT, FF and CR). Rich's own control segments (cursor moves
+    of a live display) and styles pass; markup is off, so no remote string becomes a style or a link. Only the
+    outermost render is filtered: a table lays its cells out first (an escape makes its line longer, never cut)."""
+
+    _depth = 0
+
+    def render(self, renderable: Any, options: ConsoleOptions | None = None) -> Iterable[Segment]:
+        self._depth += 1
+        try:
+            for segment in super().render(renderable, options):
+                outermost = self._depth == 1
+                yield segment if segment.control or not outermost else Segment(visible(segment.text), segment.style)
+        finally:
+            self._depth -= 1
 
 
 class Output:
@@ -29,17 +85,18 @@ class Output:
         """Rich honours NO_COLOR (and FORCE_COLOR, TTY_INTERACTIVE) from the environment by itself."""
         stream = self.stderr if stderr else self.stdout
         # Not a terminal: wide enough that long paths are not wrapped into a pipe.
-        return Console(file=stream, stderr=stderr, width=None if stream.isatty() else 160, highlight=False)
+        return VisibleConsole(file=stream, stderr=stderr, width=None if stream.isatty() else 160, highlight=False,
+                              markup=False)
 
     def show(self, renderable: RenderableType | str, stderr: bool = False) -> None:
         self.console(stderr).print(renderable)
 
     def message(self, text: str) -> None:
         """A human message: always on stderr."""
-        self.console(stderr=True).print(Text(f"gpuctl: {text}"))
+        self.console(stderr=True).print(Text(f"gpuctl: {visible(text)}"))
 
     def error(self, text: str) -> None:
-        self.console(stderr=True).print(Text(f"gpuctl: error: {text}", style="bold red"), soft_wrap=True)
+        self.console(stderr=True).print(Text(f"gpuctl: error: {visible(text)}", style="bold red"), soft_wrap=True)
 
     def json_doc(self, doc: Any) -> None:
         self.stdout.write(json.dumps(doc, indent=2) + "\n")
@@ -54,6 +111,28 @@ class Output:
         self.stdout.buffer.write(data)
         self.stdout.buffer.flush()
 
+    def log_writer(self, raw: bool = False) -> LogWriter:
+        """Where a log's bytes go: to a pipe or a file (or with raw, `logs --raw`) untouched, to a terminal through
+        LogView."""
+        return LogWriter(self, None if raw or not self.stdout.isatty() else LogView())
+
     def log_tail(self, data: bytes) -> None:
-        """A log's last lines (a run that ended during its start), on stderr."""
-        self.stderr.write(data.decode(errors="replace").rstrip("\n") + "\n")
+        """A log's last lines (a run that ended during its start), on stderr, made visible_log()."""
+        self.stderr.write(visible_log(data.decode(errors="replace")).rstrip("\n") + "\n")
+
+
+class LogWriter:
+    """A log's bytes on stdout as they arrive (write), then close() (what LogView still holds)."""
+
+    def __init__(self, out: Output, view: LogView | None):
+        self.out, self.view = out, view
+
+    def write(self, data: bytes) -> None:
+        if self.view is None:
+            self.out.write_bytes(data)
+        else:
+            self.out.write_bytes(self.view.feed(data).encode())
+
+    def close(self) -> None:
+        if self.view is not None:
+            self.out.write_bytes(self.view.feed(b"", final=True).encode())

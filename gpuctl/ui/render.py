@@ -22,7 +22,7 @@ from gpuctl.commands.nodes import ClusterLaunch, ClusterRun, ClusterRuns, Cluste
 from gpuctl.commands.pull import PullResult
 from gpuctl.commands.status import ContainerRuns, StatusReport
 from gpuctl.runs import Run, State
-from gpuctl.ui.output import Output
+from gpuctl.ui.output import Output, visible
 
 SPARK = "▁▂▃▄▅▆▇█"
 PROGRESS_AFTER_S = 0.5  # a transfer shows a progress bar only once it has taken this long
@@ -119,7 +119,7 @@ def _run_grid(run: Run, losses: list[float]) -> Table:
     config = str(run.record.get("config", "-")) + (f" ({', '.join(notes)})" if notes else "")
     grid.add_row("config", config)
     if retry := _retry_text(run):
-        grid.add_row("attempt", retry)
+        grid.add_row("attempt", visible(retry))  # before Text drops BEL, BS, VT, FF and CR unseen
     return grid
 
 
@@ -314,7 +314,7 @@ def doctor_report(out: Output, report: DoctorReport, as_json: bool, to_stderr: b
 def _state_label(state: State | None, reason: str | None) -> Text:
     if state is None:
         return Text("no run", style="red")
-    return Text.assemble((state.value, STATE_STYLE[state]), f" ({reason})" if reason else "")
+    return Text.assemble((state.value, STATE_STYLE[state]), f" ({visible(reason)})" if reason else "")
 
 
 def _gpus_text(gpus: list) -> str:
@@ -359,7 +359,7 @@ def cluster_status_renderable(report: ClusterStatus) -> RenderableType:
         where = n.node.address.describe()
         run, problem = n.run, n.problem()
         if run is None:
-            table.add_row(str(n.node.index), where, Text(problem or "-", style="red"), "-", "-", "-")
+            table.add_row(str(n.node.index), where, Text(visible(problem or "-"), style="red"), "-", "-", "-")
             continue
         table.add_row(str(n.node.index), where, state_text(run), str(run.record.get("pid") or "-"),
                       progress_text(run), _gpus_text(n.report.gpus))

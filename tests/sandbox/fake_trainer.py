@@ -21,6 +21,8 @@ into <output_dir>/export/ when it ends with exit 0. Behaviour comes from `--set 
   fake.env=K1,K2,..      print `env: {JSON}` second: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and K1, K2..
                          as this process got them (null where unset): a multi-node launch's contract
   fake.fail_rank=K       the node with RANK=K fails after its first step: `error: fake failure on node K`, exit 1
+  fake.say=HEX           the bytes HEX (hex, so any byte arrives through argv) as the log's last line, however
+                         the trainer ends (escape sequences: what the container prints reaches gpuctl's terminal)
 
 Called as `fake-trainer -m training.export RUN_OR_CHECKPOINT_DIR OUT_DIR [--dtype D] [--force]` it stands in
 for the real exporter's interface: the newest complete checkpoint of a run's output_dir (or the checkpoint
@@ -200,5 +202,15 @@ def main(argv: list[str]) -> int:
     return code
 
 
+def say_last(argv: list[str]) -> None:
+    said = options(argv).get("say")
+    if said is not None and argv[:2] != ["-m", "training.export"]:
+        sys.stdout.flush()
+        sys.stdout.buffer.write(bytes.fromhex(said) + b"\n")
+        sys.stdout.buffer.flush()
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    say_last(sys.argv[1:])
+    sys.exit(code)

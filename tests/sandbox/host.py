@@ -22,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 # The fake trainer's own `--set fake.KEY=VALUE` options (fake_trainer.py), which gpuctl checks like any key: the
 # stand-in's config schema (GPUCTL_CONFIG_SCHEMA in env()) is the trainer's with these added, of any scalar type.
 FAKE_KEYS = ("steps", "step_s", "exit", "child", "ignore_term", "term_exit", "save_every", "weights_bytes",
-             "state_bytes", "export", "require", "exit_seq", "env", "fail_rank")
+             "state_bytes", "export", "require", "exit_seq", "env", "fail_rank", "say")
 ANY_SCALAR = {"type": {"union": ["int", "float", "bool", "str"]}, "name": "a fake trainer option"}
 
 
