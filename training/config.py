@@ -20,6 +20,7 @@ PRESETS_DIR = Path(__file__).parent / "presets"
 DTYPES = ("auto", "bfloat16", "float32")
 ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
 ON_CHECKPOINT_ERROR = ("stop", "warn")
+NODE_BACKENDS = ("auto", "nccl", "gloo")
 TOML_OPENERS = ("[", "{")  # a --set value starting so is meant as a TOML list or table, never as text
 TOPOLOGY = re.compile(r"^(\d+):(\d+)$")
 RANDOM_TARGETS = ("qwen3-8b", "qwen3-8b-narrow")  # training/random_world.py builds them
@@ -131,15 +132,10 @@ class TrainConfig:
             raise ConfigError(f"gamma must be > 0, got {self.gamma}")
         if self.block_size < 2:
             raise ConfigError(f"block_size must be >= 2, got {self.block_size}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.on_checkpoint_error not in ON_CHECKPOINT_ERROR:
-            raise ConfigError(f"on_checkpoint_error must be one of {', '.join(ON_CHECKPOINT_ERROR)}, got "
-                              f"{self.on_checkpoint_error!r}")
-        if self.node_backend not in ("auto", "nccl", "gloo"):
-            raise ConfigError(f"node_backend must be one of auto, nccl, gloo, got {self.node_backend!r}")
-        if self.attention not in ATTENTION_BACKENDS:
-            raise ConfigError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention!r}")
+        for name, allowed in (("dtype", DTYPES), ("on_checkpoint_error", ON_CHECKPOINT_ERROR),
+                              ("node_backend", NODE_BACKENDS), ("attention", ATTENTION_BACKENDS)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         buckets = self.buckets()
         if any(b <= 0 for b in buckets) or buckets != sorted(set(buckets)):
             raise ConfigError(f"length_buckets must be distinct positive lengths, got {self.length_buckets}")
