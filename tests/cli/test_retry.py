@@ -46,6 +46,10 @@ def test_retry_succeeds_once_the_data_is_there_and_status_says_which_attempt(gpu
     assert "attempt" in human.stdout and "after tl1" in human.stdout
     assert [r["run_id"] for r in gpuctl("runs", "--json").json()] == ["tl1", "tl2"]
     assert "failed (exit 3), retried as tl2" in gpuctl("runs").stdout
+    # The attempt continues its first run's directory: its record and what its trainer wrote say tl1's home.
+    assert record(gpuctl, 1)["home"] == record(gpuctl, 2)["home"] == "tl1"
+    written = json.loads(gpuctl.path("/workspace/runs/fake/checkpoints/step_00000003/config.json").read_text())
+    assert written["run"] == {"id": "tl2", "home": "tl1"}
 
 
 def test_failing_the_same_way_twice_stops_retrying(gpuctl):
