@@ -117,3 +117,16 @@ def test_two_runs_of_one_preset_each_pull_their_own_weights(gpuctl, tmp_path):
         assert json.loads((dest / "config.json").read_text())["gpuctl"]["home"] == f"tl{run}"
     assert weights[1] != weights[2]
 
+
+
+def test_a_run_with_its_own_output_dir_pulls_what_it_wrote(gpuctl, tmp_path):
+    """An explicit output_dir keeps its meaning (the trainer records the directory's name as the home): pull
+    knows the run by the id its checkpoint and export record."""
+    ran = gpuctl("launch", "--config", "tiny", "--set", "max_steps=2", "--set", "eval_every=0", "--set",
+                 "output_dir=/workspace/mine", "--follow", timeout=600)
+    assert ran.code == 0, ran.stderr[-3000:]
+    pulled = gpuctl("pull", str(tmp_path / "drafter"), "--json", timeout=600)
+    assert pulled.code == 0, pulled.stderr[-3000:]
+    assert pulled.json()["source"] == "/workspace/mine/export"
+    written = json.loads((tmp_path / "drafter" / "config.json").read_text())["gpuctl"]
+    assert (written["run"], written["home"]) == ("tl1", "mine")
