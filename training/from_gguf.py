@@ -64,8 +64,8 @@ def build_target_from_gguf(gguf: Path, out: Path) -> None:
         raise ConfigError(f"cannot read {gguf} as a model: {' '.join(str(err).split())[:240]}") from None
     # The weights are dequantized now; a GGUF quantization config would make save_pretrained refuse them and
     # every later load look for a GGUF file.
-    model.config.quantization_config = None
-    del model.config.quantization_config
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     model.hf_quantizer = None
     model = model.to(torch.bfloat16)
     with staging_dir(out) as tmp:
