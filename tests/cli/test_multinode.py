@@ -25,10 +25,14 @@ pytestmark = pytest.mark.sshd
 LONG = ("steps=100000", "step_s=0.2")
 
 
+@retry(stop=stop_after_delay(30), wait=wait_fixed(0.2), reraise=True)
 def seen_env(nodes, k: int, run: str = "tl1") -> dict:
-    """What node k's fake trainer printed of its environment (fake.env)."""
+    """What node k's fake trainer printed of its environment (fake.env), waited for: a run that is "running"
+    has its trainer started, not necessarily its first lines printed."""
     log = nodes.path(k, f"/workspace/train_{run}.log").read_text()
-    return json.loads(re.search(r"^env: (.*)$", log, re.MULTILINE)[1])
+    found = re.search(r"^env: (.*)$", log, re.MULTILINE)
+    assert found, f"node {k} has not printed its environment yet"
+    return json.loads(found[1])
 
 
 @retry(stop=stop_after_delay(30), wait=wait_fixed(0.2), reraise=True)
