@@ -9,9 +9,11 @@ template, stopping at the target's end-of-turn token). tau is tokens produced pe
 every step, pooled over a prompt set. Beside it: the trainer's own tau (training/evaluate.py) for the same
 drafter, prompts and target continuations, so that a gap between what training reports and what serving
 accepts shows here, not in production. Greedy verification is lossless: in float32 every output must equal
-the target's own greedy decode (exit 1 otherwise); in bf16 near-ties can flip between a 16-token verify and
-token-by-token decoding, so the outputs that differ are counted, with the target's logit margin at the first
-difference.
+the target's own greedy decode (exit 1 otherwise), checked at once by one forward of the target over prompt and
+output: each output token must be the target's greedy choice after the tokens before it (token-by-token
+decoding would cost a decode of every prompt, about as long as the loop itself). In bf16 near-ties can flip
+between a 16-token verify and a longer forward, so the outputs that differ are counted, with the target's logit
+margin at the first difference.
 
 Prompt files are JSONL: each line {"prompt": "..."} or {"messages": [...]} (its first user turn) or {"turns":
 [...]} (the first), with an optional "set" naming its prompt set (default: the file's name). `humaneval` is the
@@ -180,34 +182,39 @@ def stop_ids(target: Target) -> list[int]:
 
 
 @torch.no_grad()
-def first_difference_margin(target: Target, prompt: list[int], greedy: list[int], served: list[int]) -> float | None:
-    """The target's logit of its own greedy token minus that of the loop's token where they first differ
-    (small: a near-tie that a 16-token verify and one-token decoding broke differently); None if one output
-    is a prefix of the other."""
-    at = next((i for i, (ours, theirs) in enumerate(zip(greedy, served)) if ours != theirs), None)
+def first_difference(target: Target, prompt: list[int], served: list[int]) -> tuple[int, float] | None:
+    """Where the loop's output first leaves the target's greedy decode, and the target's logit margin there
+    (its own choice minus the loop's token: small for a near-tie that a 16-token verify and one-token decoding
+    broke differently); None when it never does. Greedy decoding picks the target's argmax after every prefix,
+    so one forward over prompt + output gives every choice at once: the output is the greedy decode exactly when
+    each of its tokens is the target's choice after the tokens before it."""
+    if not served:
+        return None
+    tokens = torch.tensor([prompt + served[:-1]], device=target.device)
+    logits = target.model(tokens).logits[0, len(prompt) - 1:].float()  # the choice after each prefix
+    choices = logits.argmax(dim=-1).tolist()
+    at = next((i for i, (choice, token) in enumerate(zip(choices, served)) if choice != token), None)
     if at is None:
         return None
-    logits = target.model(torch.tensor([prompt + greedy[:at]], device=target.device)).logits[0, -1].float()
-    return float(logits[greedy[at]] - logits[served[at]])
+    return at, float(logits[at, choices[at]] - logits[at, served[at]])
 
 
 def measure(models: Models, prompts: list[tuple[str, str]], new_tokens: int) -> list[PromptResult]:
-    """Every prompt through the reference loop, the target's own greedy decode and the trainer's tau."""
+    """Every prompt through the reference loop, checked against the target's greedy choices, and the trainer's
+    tau on the same continuation."""
     reference, target = reference_module(), models.target
     results = []
     for name, text in prompts:
         ids = encode_chat(target.tokenizer, [{"role": "user", "content": text}], generation_prompt=True)
-        greedy = target.generate_greedy([ids], new_tokens, batch_size=1)[0]  # unpadded, as the loop decodes
         with reference_timing(target.device):
             out = reference.dflash_generate(models.served, target.model, torch.tensor([ids], device=target.device),
                                             new_tokens, stop_ids(target), return_stats=True)
         served = out.output_ids[0, len(ids):].tolist()
-        evalset = build_eval_set(target, [ids], new_tokens, target.device, continuations=[greedy])
+        difference = first_difference(target, ids, served)
+        evalset = build_eval_set(target, [ids], new_tokens, target.device, continuations=[served])
         trainer_steps = produced_per_step(models.drafter, evalset, models.dtype)[0]
-        lossless = served == greedy
-        margin = None if lossless else first_difference_margin(target, ids, greedy, served)
-        results.append(PromptResult(name, len(served) - 1, list(out.acceptance_lengths), trainer_steps, lossless,
-                                    margin))
+        results.append(PromptResult(name, len(served) - 1, list(out.acceptance_lengths), trainer_steps,
+                                    difference is None, None if difference is None else difference[1]))
     return results
 
 

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import training.export as export_module
+from training.acceptance import first_difference
 from training.acceptance import main as acceptance_main
 from training.attention import build_mask
 from training.checkpoint import check_checkpoint, latest_checkpoint, save_checkpoint
@@ -268,6 +269,19 @@ def test_the_trainer_tau_equals_the_served_tau_of_the_acceptance_command(trained
     drafter = trainer_drafter(latest_checkpoint(trained_run), target)
     evalset = build_eval_set(target, prompts(tiny_world, target, 16), NEW_TOKENS, "cpu")
     assert acceptance_length(drafter, evalset, torch.float32) == pytest.approx(served_tau, rel=1e-6)
+
+
+def test_the_one_forward_check_finds_exactly_where_an_output_leaves_the_greedy_decode(target, tiny_world):
+    """The acceptance command's lossless check (one forward over prompt + output) agrees with token-by-token
+    decoding: the greedy decode passes; one token changed anywhere is found at its position, with the target's
+    own choice ahead of it."""
+    for prompt in prompts(tiny_world, target, 4):
+        greedy = target.generate_greedy([prompt], NEW_TOKENS)[0]
+        assert first_difference(target, prompt, greedy) is None
+        for at in (0, len(greedy) // 2, len(greedy) - 1):
+            changed = greedy[:at] + [(greedy[at] + 1) % target.config.vocab_size] + greedy[at + 1:]
+            where, margin = first_difference(target, prompt, changed)
+            assert where == at and margin > 0
 
 
 # ---- refusals ------------------------------------------------------------------------------------------------

