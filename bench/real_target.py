@@ -83,7 +83,7 @@ def regenerate(args: argparse.Namespace) -> int:
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     target = build_target(work, args.gguf)
-    lines = [line for line in read_text(Path(args.prompts)).splitlines() if line.strip()][: args.limit or None]
+    lines = jsonl_lines(Path(args.prompts))[: args.limit or None]
     shards = [lines[i::args.shards] for i in range(args.shards)]
     started = time.perf_counter()
     with contextlib.ExitStack() as logs:
@@ -95,7 +95,7 @@ def regenerate(args: argparse.Namespace) -> int:
                              "--set", f"prompts_path={work / f'prompts{i}.jsonl'}",
                              "--set", f"output_path={work / f'regenerated{i}.jsonl'}",
                              "--set", f"batch_size={args.batch_size}", "--set", f"max_new_tokens={args.new_tokens}",
-                             "--set", f"target_devices={devices(args.device)}")
+                             "--set", f"target_devices={devices(args.device)}", "--set", f"decode={args.decode}")
             log = logs.enter_context(open(work / f"regenerate{i}.log", "w"))
             processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
         deadline = started + args.seconds
@@ -116,8 +116,8 @@ def write_regenerated(work: Path, out: Path, shards: int, prompts: int, codes: l
     records, rates = [], []
     for i in range(shards):
         path = work / f"regenerated{i}.jsonl"
-        records += [line for line in read_text(path).splitlines() if line.strip()] if path.exists() else []
-        metrics = [json.loads(m) for m in read_text(path.with_suffix(".metrics.jsonl")).splitlines() if m.strip()] \
+        records += jsonl_lines(path) if path.exists() else []
+        metrics = [json.loads(m) for m in jsonl_lines(path.with_suffix(".metrics.jsonl"))] \
             if path.with_suffix(".metrics.jsonl").exists() else []
         rates += [m["tokens_per_s"] for m in metrics[-1:] if "tokens_per_s" in m]
         shutil.copy(work / f"regenerate{i}.log", out / f"regenerate{i}.log")
@@ -133,6 +133,39 @@ def write_regenerated(work: Path, out: Path, shards: int, prompts: int, codes: l
     return 0 if all(code == 0 for code in codes) else 1
 
 
+def probe(args: argparse.Namespace) -> int:
+    """The decode loop's cost per step at SmolLM2-135M's shape (random weights: no GGUF needed), eager against
+    the static cache that transformers compiles; every row decodes --new-tokens."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                      num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                                      tie_word_embeddings=True, rope_theta=1e5, max_position_embeddings=8192)
+    device = torch.device(args.device if args.device == "cpu" else f"cuda:{args.device}")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    model = transformers.LlamaForCausalLM(config).to(device, dtype).eval()
+    ids = torch.randint(100, 49000, (args.batch_size, args.width), device=device)
+    rows = []
+    for decode in args.decodes.split(","):
+        cache = {"cache_implementation": "static"} if decode == "static" else {}
+        for attempt in ("first", "again"):
+            started = time.perf_counter()
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens,
+                           min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0, **cache)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - started
+            rows.append({"decode": decode, "call": attempt, "rows": args.batch_size, "width": args.width,
+                         "new_tokens": args.new_tokens, "wall_s": round(wall, 2),
+                         "ms_per_step": round(wall / args.new_tokens * 1000, 1),
+                         "tokens_per_s": round(args.batch_size * args.new_tokens / wall)})
+            print(json.dumps(rows[-1]), flush=True)
+    (Path(args.out) / "probe.json").write_text(json.dumps(rows, indent=1) + "\n")
+    print(table(list(rows[0]), rows))
+    return 0
+
+
 # -- train --------------------------------------------------------------------------------------------------------
 
 
@@ -140,7 +173,7 @@ def train(args: argparse.Namespace) -> int:
     work, out = Path(args.work).resolve(), Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     data = work / f"{args.name}-data.jsonl"
-    lines = [line for line in read_text(Path(args.data)).splitlines() if line.strip()]
+    lines = jsonl_lines(Path(args.data))
     data.write_text("\n".join(lines[: args.conversations or None]) + "\n")
     runs = work / f"runs-{args.name}"
     shutil.rmtree(runs, ignore_errors=True)
@@ -194,7 +227,7 @@ ROW = {"run": "run", "conversations": "conversations", "steps": "steps", "wall_s
 
 
 def summarize_run(name: str, metrics_text: str, wall: float | None, conversations: int | None) -> dict:
-    rows = [json.loads(line) for line in metrics_text.splitlines() if line.strip()]
+    rows = [json.loads(line) for line in metrics_text.split("\n") if line.strip()]
     steps = [r for r in rows if "tokens_per_s" in r]
     steady = steps[len(steps) // 4:] or steps  # past warm-up and compiles
     rate = sum(r["tokens_per_s"] for r in steady) / max(len(steady), 1)
@@ -254,6 +287,11 @@ def table(keys: list[str], rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def jsonl_lines(path: Path) -> list[str]:
+    """A JSONL file's lines, split at newlines only (a string may hold U+2028, which splitlines() splits at)."""
+    return [line for line in read_text(path).split("\n") if line.strip()]
+
+
 def read_text(path: Path) -> str:
     return gzip.open(path, "rt").read() if path.suffix == ".gz" else path.read_text()
 
@@ -268,10 +306,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     regen.add_argument("--shards", type=int, default=4)
     regen.add_argument("--batch-size", type=int, default=512)
     regen.add_argument("--new-tokens", type=int, default=384)
+    regen.add_argument("--decode", default="static", help="static (compiled on CUDA) or dynamic (eager)")
     regen.add_argument("--limit", type=int, default=0, help="the first N prompts only (0 = all)")
     regen.add_argument("--seconds", type=float, default=450)
     regen.add_argument("--device", default="0")
     regen.add_argument("--out", required=True)
+    trial = verbs.add_parser("probe")
+    trial.add_argument("--decodes", default="dynamic,static")
+    trial.add_argument("--batch-size", type=int, default=512)
+    trial.add_argument("--width", type=int, default=512)
+    trial.add_argument("--new-tokens", type=int, default=128)
+    trial.add_argument("--device", default="0")
+    trial.add_argument("--out", required=True)
     fit = verbs.add_parser("train")
     fit.add_argument("--work", required=True)
     fit.add_argument("--data", required=True)
@@ -297,7 +343,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    return {"regenerate": regenerate, "train": train, "join": join, "report": report}[args.verb](args)
+    verbs = {"probe": probe, "regenerate": regenerate, "train": train, "join": join, "report": report}
+    return verbs[args.verb](args)
 
 
 if __name__ == "__main__":

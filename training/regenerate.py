@@ -47,6 +47,10 @@ from training.from_gguf import ensure_target_from_gguf
 from training.metrics import MetricsLog, announce_output
 
 
+DECODES = ("dynamic", "static")
+STATIC_MIN_WIDTH = 256  # the static decode's smallest prompt width (each width is compiled once)
+
+
 @dataclass
 class RegenerateConfig:
     target_path: str = ""  # a Hugging Face model directory (weights + tokenizer with a chat template)
@@ -59,6 +63,10 @@ class RegenerateConfig:
     num_threads: int = 0  # torch CPU threads; 0 = torch's default
     max_new_tokens: int = 2048  # per reply
     batch_size: int = 16  # records per generate call (per turn)
+    # "static": every generate call has one shape (batch_size rows, prompts left-padded to a power of two) and a
+    # fixed-size cache (transformers' StaticCache), which transformers compiles on CUDA and replays as CUDA
+    # graphs: the eager decode loop of a small target is bound by Python, not by the GPU. "dynamic": eager.
+    decode: str = "dynamic"
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0  # nucleus sampling when temperature > 0 (top-k is off)
     enable_thinking: bool = False  # passed to the chat template (Qwen3's thinking switch)
@@ -71,6 +79,8 @@ class RegenerateConfig:
         for name in ("num_threads", "seed"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.decode not in DECODES:
+            raise ConfigError(f"decode must be one of {', '.join(DECODES)}, got {self.decode!r}")
         if not self.temperature >= 0:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -232,15 +242,19 @@ class ReplicaGenerator:
     def replies(self, contexts: list[list[dict]]) -> list[tuple[str, int, bool]]:
         """(reply text, tokens generated, cut at max_new_tokens) for each conversation so far."""
         prompts = [encode_chat(self.tokenizer, c, True, self.config.template_options()) for c in contexts]
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):  # left padding: every row ends where generation starts
+        width, rows, cache = max(len(p) for p in prompts), len(prompts), {}
+        if self.config.decode == "static":  # one shape per width: filler rows repeat the last prompt
+            width = max(STATIC_MIN_WIDTH, 1 << (width - 1).bit_length())
+            rows, cache = max(rows, self.config.batch_size), {"cache_implementation": "static"}
+        ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((rows, width), dtype=torch.long)
+        for row in range(rows):  # left padding: every row ends where generation starts
+            prompt = prompts[min(row, len(prompts) - 1)]
             ids[row, width - len(prompt):] = torch.tensor(prompt)
             mask[row, width - len(prompt):] = 1
         out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                                   max_new_tokens=self.config.max_new_tokens, pad_token_id=self.pad_id,
-                                  eos_token_id=self.eos_ids, **self.sampling())
+                                  eos_token_id=self.eos_ids, **self.sampling(), **cache)[: len(prompts)]
         results = []
         for row in out[:, width:].tolist():
             end = next((i for i, token in enumerate(row) if token in self.eos_ids), None)

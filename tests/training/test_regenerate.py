@@ -99,6 +99,20 @@ def test_greedy_replies_are_the_targets_own_turn_by_turn(tiny_world, tmp_path, m
     assert len(read_output(output)) == 9
 
 
+def test_the_static_decode_writes_what_the_eager_one_writes(tiny_world, tmp_path):
+    """decode=static (one shape per width, filler rows, transformers' StaticCache; compiled on CUDA) gives the
+    eager decode's replies, record for record, with batches that are full and one that is not."""
+    write_prompts(tmp_path / "prompts.jsonl", 7)
+    outputs = {}
+    for decode in ("dynamic", "static"):
+        output = tmp_path / decode / "regenerated.jsonl"
+        config = config_for(tiny_world, tmp_path / "prompts.jsonl", output, "batch_size=3", "max_new_tokens=10",
+                            f"decode={decode}")
+        assert regenerate(config) == 0
+        outputs[decode] = sorted(read_output(output), key=lambda r: r["id"])
+    assert outputs["static"] == outputs["dynamic"] and len(outputs["static"]) == 7
+
+
 def test_sampling_is_seeded(tiny_world, tmp_path):
     write_prompts(tmp_path / "prompts.jsonl", 6)
     outputs = {}
@@ -229,6 +243,7 @@ def test_bad_prompts_are_one_line_errors(tiny_world, tmp_path, capsys, lines, me
     (["top_p=0"], "top_p must be in (0, 1]"),
     (["temperature=-1"], "temperature must be >= 0"),
     (["batch_size=0"], "batch_size must be > 0"),
+    (["decode=graphs"], "decode must be one of dynamic, static"),
     (["target_devices=[-1]"], "neither a GPU index"),
     (["output_path=~/.cache/gpuctl/tiny-v2/train.jsonl"], "output_path must not be prompts_path"),
 ])
