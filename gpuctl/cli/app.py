@@ -200,7 +200,7 @@ def status(flags: AddressFlags, out: Output, stats: ssh.Stats, run: RunOpt = Non
         raise usage_error("--watch is for a terminal; --json gives one document (run it again to refresh)")
     number = parse_run_ref(run)
     scope = commands.resolve(flags)
-    with scope.connected(stats):
+    with scope.connected(stats, bound_s=commands.BOUND_S):
         if watch:
             _watch(out, lambda: render.status_renderable(scope.status(number, reconnect=out.message)), interval)
         report = scope.status(number)
@@ -238,7 +238,7 @@ def runs(flags: AddressFlags, out: Output, stats: ssh.Stats, json_: JsonOpt = Fa
     """Every run in the container: id, state, exit code, start, duration, log size (a multi-node run's: every
     node's, each run with its nodes)."""
     scope = commands.resolve(flags)
-    with scope.connected(stats):
+    with scope.connected(stats, bound_s=commands.BOUND_S):
         found = scope.runs()
     render.runs(out, found, as_json=json_)
     _raise_first(found.errors, out)
@@ -252,7 +252,7 @@ def kill(flags: AddressFlags, out: Output, stats: ssh.Stats, run: RunOpt = None,
     """Signal a run's whole process group, escalate to SIGKILL after --grace, check nothing is left."""
     number, signal_name = parse_run_ref(run), parse_signal(signal)
     scope = commands.resolve(flags)
-    with scope.connected(stats):
+    with scope.connected(stats, bound_s=commands.BOUND_S + 2 * grace):  # the grace, then SIGKILL's wait
         done = scope.kill(number, signal_name, grace, notify=out.message)
     render.killed(out, done)
     _raise_first(done.errors, out)

@@ -40,8 +40,8 @@ class One:
         return plan_launch(self.address, opts)
 
     @contextmanager
-    def connected(self, stats: ssh.Stats | None) -> Iterator[One]:
-        with connected(self.address, stats) as self.ct:
+    def connected(self, stats: ssh.Stats | None, bound_s: float | None = None) -> Iterator[One]:
+        with connected(self.address, stats, bound_s) as self.ct:
             yield self
 
     @property
@@ -93,8 +93,8 @@ class Nodes:
         return multi.plan_launch(self.addresses, opts, self.master_addr, self.master_port)
 
     @contextmanager
-    def connected(self, stats: ssh.Stats | None) -> Iterator[Nodes]:
-        with connected_nodes(self.addresses, stats) as self.nodes:
+    def connected(self, stats: ssh.Stats | None, bound_s: float | None = None) -> Iterator[Nodes]:
+        with connected_nodes(self.addresses, stats, bound_s) as self.nodes:
             yield self
 
     @property
