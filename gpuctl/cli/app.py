@@ -145,6 +145,7 @@ def launch(flags: AddressFlags, out: Output, stats: ssh.Stats, task: Task = None
     with scope.connected(stats):
         result = scope.launch(opts, notify=out.message, progress=progress)
         render.launched(out, result, as_json=json_, to_stderr=follow, show_tail=not follow)
+        scope.remember(result, warn=out.message)  # after the run is shown: it has started, whatever happens here
         if follow:  # the whole log (node 0's), even when the run already ended during the start check
             return _follow(out, scope.first, result.number, lines=None, offset=0)
     return ExitCode.RUN_FAILED if result.failed else ExitCode.OK
@@ -310,8 +311,8 @@ def setup_command(flags: AddressFlags, out: Output, stats: ssh.Stats, python: Se
     with commands.connected(address, stats) as ct:
         result = doctor.setup(ct, address, opts, notify=out.message,
                               progress=lambda total: render.TransferProgress(out, total, "staging"))
-        remember(address)
         render.launch_result(out, result, as_json=False, to_stderr=True, show_tail=False)
+        commands.kept(lambda: remember(address), out.message)
         code = _follow(out, ct, result.run.number, lines=None, offset=0)
         if code != ExitCode.OK:
             raise GpuctlError(f"setup ({result.run.run_id}) did not finish: its log above says why (gpuctl logs "

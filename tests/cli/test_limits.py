@@ -4,15 +4,18 @@ with no newline costs `status` a few KiB, not its size."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import tempfile
+import threading
 import time
 
 import pytest
 from tenacity import retry, stop_after_delay, wait_fixed
 
+from gpuctl.address import Address, remember
 from tests.sandbox.host import StandInHost
 
 pytestmark = pytest.mark.sshd
@@ -143,3 +146,38 @@ def wait_until_ended(gpuctl) -> None:
     doc = gpuctl("status", "--json").json()
     assert doc["state"] == "succeeded", doc
 
+
+def test_two_gpuctl_remembering_at_once_both_end_cleanly(tmp_path, monkeypatch):
+    """Each remember writes a temp file of its own and replaces target.json whole: no writer fails, the file
+    is always one writer's whole document, and no temp file is left."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    addresses = [Address(host=f"host{k}", ct=200 + k) for k in range(2)]
+    failures = []
+
+    def remember_often(address: Address) -> None:
+        for _ in range(300):
+            try:
+                remember(address)
+            except OSError as e:  # the old fixed .tmp name: FileNotFoundError now and then
+                failures.append(e)
+
+    threads = [threading.Thread(target=remember_often, args=(a,)) for a in addresses]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+    state = tmp_path / "gpuctl"
+    doc = json.loads((state / "target.json").read_text())
+    assert (doc["host"], doc["ct"]) in {("host0", 200), ("host1", 201)}
+    assert sorted(p.name for p in state.iterdir()) == ["target.json"]
+
+
+def test_a_state_dir_that_cannot_be_written_is_a_warning_after_the_run_is_shown(gpuctl, tmp_path):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    result = gpuctl("launch", "--python", "fake-trainer", "--json", "--set", "fake.steps=1",
+                    env={"XDG_STATE_HOME": str(blocked)})
+    assert result.code == 0, result.stderr
+    assert result.json()["run_id"] == "tl1"
+    assert "warning: the target is not remembered for the next command" in result.stderr
