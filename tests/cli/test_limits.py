@@ -181,3 +181,13 @@ def test_a_state_dir_that_cannot_be_written_is_a_warning_after_the_run_is_shown(
     assert result.code == 0, result.stderr
     assert result.json()["run_id"] == "tl1"
     assert "warning: the target is not remembered for the next command" in result.stderr
+
+
+def test_doctor_with_a_hung_nvidia_smi_ends_and_says_so(gpuctl, standin, ctid):
+    standin.hang_gpus(ctid)
+    started = time.monotonic()
+    result = gpuctl("doctor", "--json", env=QUICK, timeout=60)
+    assert time.monotonic() - started < 30  # the probe's second, once, and the interpreter's own checks
+    checks = {c["name"]: c for c in result.json()["checks"]}
+    assert "nvidia-smi did not answer in 1 s" in checks["gpus"]["detail"], checks["gpus"]
+    assert smi_processes(standin, ctid) == []
