@@ -198,15 +198,22 @@ class RemoteCommand:
     def send(self, data: bytes, kind: str = "script", progress: Callable[[int], None] | None = None) -> int:
         """Write to the command's stdin; returns the bytes written (all of data: a failed write raises), which
         the session's stats count under `kind`."""
-        for start in range(0, len(data), SEND_CHUNK):
-            chunk = data[start:start + SEND_CHUNK]
+        start, moved = 0, time.monotonic()
+        while start < len(data):
             try:
-                self._chan.sendall(chunk)
+                n = self._chan.send(data[start:start + SEND_CHUNK])
+            except TimeoutError:  # the channel's window is full: the far end reads nothing
+                if time.monotonic() - moved > self._session.idle_s:
+                    raise self._session.lost(f"nothing could be written for {self._session.idle_s:g} s") from None
+                continue
             except (OSError, EOFError, paramiko.SSHException) as e:
                 raise self._session.lost(f"writing to the remote command failed: {e or type(e).__name__}")
-            self._session.stats.sent[kind] += len(chunk)
+            if n <= 0:
+                raise self._session.lost("writing to the remote command failed: the channel is closed")
+            start, moved = start + n, time.monotonic()
+            self._session.stats.sent[kind] += n
             if progress:
-                progress(len(chunk))
+                progress(n)
         return len(data)
 
     def close_stdin(self) -> None:

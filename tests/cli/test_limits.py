@@ -16,6 +16,7 @@ import pytest
 from tenacity import retry, stop_after_delay, wait_fixed
 
 from gpuctl.address import Address, remember
+from gpuctl.remote import ssh
 from tests.sandbox.host import StandInHost
 
 pytestmark = pytest.mark.sshd
@@ -191,3 +192,41 @@ def test_doctor_with_a_hung_nvidia_smi_ends_and_says_so(gpuctl, standin, ctid):
     checks = {c["name"]: c for c in result.json()["checks"]}
     assert "nvidia-smi did not answer in 1 s" in checks["gpus"]["detail"], checks["gpus"]
     assert smi_processes(standin, ctid) == []
+
+
+class SlowChannel:
+    """A channel whose window stays full for `stalls` of paramiko's timeouts, then takes everything."""
+
+    def __init__(self, stalls: int):
+        self.stalls, self.got = stalls, bytearray()
+
+    def send(self, data: bytes) -> int:
+        if self.stalls:
+            self.stalls -= 1
+            raise TimeoutError
+        self.got += data
+        return len(data)
+
+    sendall = send  # what the old code called
+
+
+class QuietSession:
+    idle_s, bound_s, endpoint = 0.3, None, "host"
+
+    def __init__(self):
+        self.stats = ssh.Stats()
+
+    def lost(self, why: str) -> ssh.ConnectionLost:
+        return ssh.ConnectionLost(why)
+
+
+def test_a_full_window_is_waited_out_up_to_the_idle_deadline():
+    """Writing to a remote command: a full window (a slow far end) for less than the idle deadline is waited
+    out; one that stays full ends the command as a lost connection."""
+    channel = SlowChannel(stalls=3)
+    assert ssh.RemoteCommand(channel, QuietSession()).send(b"x" * 100_000) == 100_000
+    assert bytes(channel.got) == b"x" * 100_000
+    started = time.monotonic()
+    with pytest.raises(ssh.ConnectionLost, match="nothing could be written for 0.3 s"):
+        ssh.RemoteCommand(SlowChannel(stalls=10**9), QuietSession()).send(b"x")
+    assert time.monotonic() - started < 5
