@@ -13,9 +13,11 @@ until a host or container is asked for.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import tempfile
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -289,6 +291,13 @@ def remember(address: Address, nodes: list[Address] | None = None, run: int | No
     if nodes:
         keep.update(nodes=[_kept(node) for node in nodes], run=run)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(keep, indent=1) + "\n")
-    os.replace(tmp, path)
+    # A temp file of its own: two gpuctl remembering at once each replace the file whole, the last one wins.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{REMEMBERED}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(keep, indent=1) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

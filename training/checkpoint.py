@@ -5,7 +5,10 @@ everything a resumed run needs to continue exactly (state.pt: step, optimizer, s
 position). A checkpoint is written into a temporary directory, fsynced, then renamed into place, so a crash or a
 kill never leaves a half-written one where `latest_checkpoint` would find it. `keep` deletes old checkpoints only
 after that rename. One that cannot be written (disk full, read-only, over quota) removes its temporary directory
-and raises CheckpointWriteError: every earlier checkpoint is left as it was.
+and raises CheckpointWriteError: every earlier checkpoint is left as it was. What a save killed mid-write left
+(kill -9 during the SIGTERM checkpoint: `gpuctl kill` escalates after its grace) is cleared at the run's start
+and before each save (`recover_checkpoints`): its temporary directory removed, and its `.stale-` copy of a step
+put back when the step's directory is missing (killed between the two renames), else removed.
 
 The drafter's config records everything the served format needs (mask_token_id, num_target_layers, the target's
 RoPE parameters), so `python -m training.export` needs nothing but the checkpoint. Checkpoints from before the
@@ -28,7 +31,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from training.config import ConfigError
-from training.durable import fsync_path
+from training.durable import abandoned, fsync_path, writer_tag
 from training.model import Drafter, DrafterConfig
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -61,6 +64,21 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
     found = list_checkpoints(output_dir)
     return found[-1] if found else None
+
+
+def recover_checkpoints(output_dir: str | Path) -> None:
+    """Clear what saves of this host killed mid-write left under the checkpoints directory (see above)."""
+    root = checkpoints_dir(output_dir)
+    if not root.is_dir():
+        return
+    for path in abandoned(root, ".tmp-"):
+        shutil.rmtree(path, ignore_errors=True)
+    for path in abandoned(root, ".stale-"):
+        final = root / path.name.rsplit("-", 1)[-1]  # .stale-HOST-PID-step_NNNNNNNN
+        if STEP_DIR.match(final.name) and not final.exists():
+            os.replace(path, final)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def rng_state() -> dict:
@@ -123,10 +141,11 @@ def save_checkpoint(output_dir: str | Path, step: int, drafter: Drafter, optimiz
     of the new checkpoint and every earlier one as it was, when it cannot be written."""
     root = checkpoints_dir(output_dir)
     final = root / f"step_{step:08d}"
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    stale = root / f".stale-{final.name}-{os.getpid()}"
+    tmp = root / f".tmp-{writer_tag()}-{final.name}"
+    stale = root / f".stale-{writer_tag()}-{final.name}"
     try:
         root.mkdir(parents=True, exist_ok=True)
+        recover_checkpoints(output_dir)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         weights = {name: t.detach().float().cpu().contiguous() for name, t in drafter.state_dict().items()}

@@ -1,9 +1,12 @@
 """Writes that survive a crash: the one fsync by path, for the files and directories the trainer renames
 into place (checkpoints, exports, the tokenized cache), and a directory built whole or not at all (the tiny
-world, a target made from a GGUF file)."""
+world, a target made from a GGUF file); temporary names that say their writer, so what a dead writer left is
+known and removed."""
 
 import os
 import shutil
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -14,6 +17,32 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def writer_tag() -> str:
+    """`HOST-PID`, the writer of a temporary name (`PREFIX + writer_tag() + "-" + ...`): `abandoned` tells a
+    dead writer's leftovers from a live one's, even on a disk that several hosts share."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def abandoned(root: Path, prefix: str) -> Iterator[Path]:
+    """The entries of root named PREFIX + writer_tag() + "-" ... by a writer of this host whose process is gone
+    (killed mid-write: kill -9, the OOM killer, a node that went down)."""
+    start = f"{prefix}{socket.gethostname()}-"
+    for path in root.glob(start + "*"):
+        pid = path.name[len(start):].split("-", 1)[0]
+        if pid.isdigit() and not alive(int(pid)):
+            yield path
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class staging_dir:

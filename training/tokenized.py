@@ -24,7 +24,6 @@ import json
 import multiprocessing
 import os
 import shutil
-import socket
 import tempfile
 import time
 from collections import deque
@@ -45,7 +44,7 @@ from training.data import (
     truncate,
     usable,
 )
-from training.durable import fsync_path
+from training.durable import abandoned, fsync_path, writer_tag
 
 FORMAT = 1  # bump when what is cached, or the loss-mask rule, changes
 CACHE_DIR_NAME = ".gpuctl-tokenized"
@@ -201,27 +200,9 @@ def _open(cache_dir: Path, key: str, data_path: Path, built: bool) -> TokenizedD
 
 def _make_build_dir(root: Path, name: str) -> Path:
     root.mkdir(parents=True, exist_ok=True)
-    _remove_abandoned_builds(root)
-    return Path(tempfile.mkdtemp(prefix=f".tmp-{socket.gethostname()}-{os.getpid()}-{name}-", dir=root))
-
-
-def _remove_abandoned_builds(root: Path) -> None:
-    """Temporary directories left by builds of this host whose process is gone (killed mid-build)."""
-    prefix = f".tmp-{socket.gethostname()}-"
-    for path in root.glob(prefix + "*"):
-        pid = path.name[len(prefix):].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    for path in abandoned(root, ".tmp-"):  # builds of this host whose process is gone (killed mid-build)
+        shutil.rmtree(path, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f".tmp-{writer_tag()}-{name}-", dir=root))
 
 
 @dataclass

@@ -145,6 +145,7 @@ def launch(flags: AddressFlags, out: Output, stats: ssh.Stats, task: Task = None
     with scope.connected(stats):
         result = scope.launch(opts, notify=out.message, progress=progress)
         render.launched(out, result, as_json=json_, to_stderr=follow, show_tail=not follow)
+        scope.remember(result, warn=out.message)  # after the run is shown: it has started, whatever happens here
         if follow:  # the whole log (node 0's), even when the run already ended during the start check
             return _follow(out, scope.first, result.number, lines=None, offset=0)
     return ExitCode.RUN_FAILED if result.failed else ExitCode.OK
@@ -200,7 +201,7 @@ def status(flags: AddressFlags, out: Output, stats: ssh.Stats, run: RunOpt = Non
         raise usage_error("--watch is for a terminal; --json gives one document (run it again to refresh)")
     number = parse_run_ref(run)
     scope = commands.resolve(flags)
-    with scope.connected(stats):
+    with scope.connected(stats, bound_s=commands.BOUND_S):
         if watch:
             _watch(out, lambda: render.status_renderable(scope.status(number, reconnect=out.message)), interval)
         report = scope.status(number)
@@ -238,7 +239,7 @@ def runs(flags: AddressFlags, out: Output, stats: ssh.Stats, json_: JsonOpt = Fa
     """Every run in the container: id, state, exit code, start, duration, log size (a multi-node run's: every
     node's, each run with its nodes)."""
     scope = commands.resolve(flags)
-    with scope.connected(stats):
+    with scope.connected(stats, bound_s=commands.BOUND_S):
         found = scope.runs()
     render.runs(out, found, as_json=json_)
     _raise_first(found.errors, out)
@@ -252,7 +253,7 @@ def kill(flags: AddressFlags, out: Output, stats: ssh.Stats, run: RunOpt = None,
     """Signal a run's whole process group, escalate to SIGKILL after --grace, check nothing is left."""
     number, signal_name = parse_run_ref(run), parse_signal(signal)
     scope = commands.resolve(flags)
-    with scope.connected(stats):
+    with scope.connected(stats, bound_s=commands.BOUND_S + 2 * grace):  # the grace, then SIGKILL's wait
         done = scope.kill(number, signal_name, grace, notify=out.message)
     render.killed(out, done)
     _raise_first(done.errors, out)
@@ -310,8 +311,8 @@ def setup_command(flags: AddressFlags, out: Output, stats: ssh.Stats, python: Se
     with commands.connected(address, stats) as ct:
         result = doctor.setup(ct, address, opts, notify=out.message,
                               progress=lambda total: render.TransferProgress(out, total, "staging"))
-        remember(address)
         render.launch_result(out, result, as_json=False, to_stderr=True, show_tail=False)
+        commands.kept(lambda: remember(address), out.message)
         code = _follow(out, ct, result.run.number, lines=None, offset=0)
         if code != ExitCode.OK:
             raise GpuctlError(f"setup ({result.run.run_id}) did not finish: its log above says why (gpuctl logs "

@@ -12,12 +12,12 @@ from gpuctl.commands.launch import plan_launch
 from gpuctl.commands.logs import follow_exit_code, follow_log, print_log
 from gpuctl.commands.options import LaunchOptions, LaunchTask, check_python
 from gpuctl.commands.pull import PullWhat, pull, pull_destination
-from gpuctl.commands.scope import Nodes, One, Scope, resolve, resolve_launch
-from gpuctl.commands.session import connected, reconnecting
+from gpuctl.commands.scope import Nodes, One, Scope, kept, resolve, resolve_launch
+from gpuctl.commands.session import BOUND_S, connected, reconnecting
 from gpuctl.commands.status import metrics_history
 
 __all__ = [
-    "LaunchOptions", "LaunchResult", "LaunchTask", "Nodes", "One", "PullWhat", "Scope", "check_python", "connected",
-    "follow_exit_code", "follow_log", "metrics_history", "plan_launch", "print_log", "pull", "pull_destination",
-    "reconnecting", "resolve", "resolve_launch",
+    "BOUND_S", "LaunchOptions", "LaunchResult", "LaunchTask", "Nodes", "One", "PullWhat", "Scope", "check_python",
+    "connected", "follow_exit_code", "follow_log", "kept", "metrics_history", "plan_launch", "print_log", "pull",
+    "pull_destination", "reconnecting", "resolve", "resolve_launch",
 ]

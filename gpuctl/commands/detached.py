@@ -21,7 +21,7 @@ from tenacity import RetryError, retry, retry_if_result, stop_after_delay, wait_
 from gpuctl import __version__
 from gpuctl.address import Address
 from gpuctl.commands.kill import KILL_VERIFY_S, KillResult, kill
-from gpuctl.commands.session import Notify, Progress, inspect, seconds
+from gpuctl.commands.session import Notify, Progress, inspect
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
 from gpuctl.remote import scripts
 from gpuctl.remote.container import INTERPRETER_FILE, RECORDS_DIR, STAGE_DIR, Container
@@ -33,13 +33,13 @@ from gpuctl.remote.protocol import (
     ScriptExit,
     launch_go,
 )
-from gpuctl.remote.ssh import RemoteCommand
+from gpuctl.remote.ssh import RemoteCommand, env_seconds
 from gpuctl.runs import Run, State
 from gpuctl.staging import Package, PackageFile, StagePlan, file_from_bytes, plan_stage
 
-START_TIMEOUT_S = seconds("GPUCTL_START_TIMEOUT", 30)
+START_TIMEOUT_S = env_seconds("GPUCTL_START_TIMEOUT", 30)
 # How long the container's side of a launch waits for gpuctl's reply while it holds the launch lock.
-LOCK_REPLY_S = seconds("GPUCTL_LOCK_REPLY_TIMEOUT", 120)
+LOCK_REPLY_S = env_seconds("GPUCTL_LOCK_REPLY_TIMEOUT", 120)
 LAUNCH_TAIL_LINES = 20
 PackageFor = Callable[[LaunchReply], Package]  # the package to stage, once the container's report is in
 

@@ -17,7 +17,7 @@ from gpuctl.address import Address
 from gpuctl.commands import detached
 from gpuctl.commands.detached import LaunchResult
 from gpuctl.commands.options import check_python
-from gpuctl.commands.session import Notify, Progress, connected
+from gpuctl.commands.session import BOUND_S, Notify, Progress, connected
 from gpuctl.commands.status import Gpu, parse_gpus
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
 from gpuctl.remote import scripts, ssh
@@ -86,7 +86,7 @@ def doctor(address: Address, stats: ssh.Stats | None, python: str | None) -> Doc
     """Connect and check; an unreachable host (exit 3) or a container that is missing or stopped (exit 4) ends
     the checks there, with one line of error."""
     try:
-        with connected(address, stats) as ct:
+        with connected(address, stats, BOUND_S) as ct:
             return examine(ct, python)
     except GpuctlError as e:
         if e.code != ExitCode.HOST:
@@ -133,7 +133,7 @@ def evaluate(reply: DoctorReply, required: list[Requirement]) -> list[Check]:
         _space_check("workspace", "/workspace", reply.workspace),
         _output_dir_check(reply),
         _active_check(reply),
-        _compile_cache_check(reply.compile_cache_bytes),
+        _compile_cache_check(reply.compile_cache_bytes, reply.compile_cache_error),
     ]
 
 
@@ -296,7 +296,9 @@ def _active_check(reply: DoctorReply) -> Check:
                  f"let it end (gpuctl logs -f --run {first}) or stop it (gpuctl kill --run {first})")
 
 
-def _compile_cache_check(cache: int | None) -> Check:
+def _compile_cache_check(cache: int | None, error: str = "") -> Check:
+    if error:
+        return Check("compile_cache", WARN, f"/tmp/torchinductor_root: {error}")
     if cache is None:
         return Check("compile_cache", OK, "/tmp/torchinductor_root: none")
     detail = f"/tmp/torchinductor_root: {_size(cache)} (launch removes it unless --keep-compile-cache)"

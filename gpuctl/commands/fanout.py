@@ -105,13 +105,15 @@ def settled(outcomes: list[Outcome[U]]) -> list[Outcome[U]]:
 
 
 @contextmanager
-def connected(addresses: Sequence[Address], stats: ssh.Stats | None = None) -> Iterator[list[Node]]:
+def connected(addresses: Sequence[Address], stats: ssh.Stats | None = None,
+              bound_s: float | None = None) -> Iterator[list[Node]]:
     """A connection to every node at once; a node that cannot be reached has its error instead. Node 0's
-    connection counts into `stats` (GPUCTL_TRACE)."""
+    connection counts into `stats` (GPUCTL_TRACE); `bound_s`: the bound of each remote command."""
     nodes = [Node(i, t) for i, t in enumerate(addresses)]
 
     def connect(node: Node) -> Container:
-        return Container(session=ssh.connect(node.address, stats if node.index == 0 else None), address=node.address)
+        session = ssh.connect(node.address, stats if node.index == 0 else None, bound_s)
+        return Container(session=session, address=node.address)
 
     try:
         for o in on_nodes(nodes, connect):

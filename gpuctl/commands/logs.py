@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from gpuctl.commands.session import RECONNECT_S, Notify, Write, inspect, reconnecting, seconds
+from gpuctl.commands.session import RECONNECT_S, Notify, Write, inspect, reconnecting
 from gpuctl.errors import ExitCode
 from gpuctl.remote.container import Container
 from gpuctl.remote.protocol import FollowStart, parse_follow_start
+from gpuctl.remote.ssh import HEARTBEAT_S  # `logs --follow` hears from the container at least this often
 from gpuctl.runs import Run, State
-
-HEARTBEAT_S = seconds("GPUCTL_HEARTBEAT", 5)  # `logs --follow` hears from the container at least this often
 
 
 def print_log(ct: Container, run_number: int, lines: int | None, write: Write) -> None:

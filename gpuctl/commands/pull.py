@@ -66,6 +66,31 @@ def _pull_ended_early(ct: Container, remote: RemoteCommand, said: bytes, what: s
     return ct.failure(result, what)
 
 
+def _receive(ct: Container, remote: RemoteCommand, plan: transfer.PullPlan,
+             progress: Callable[[int], Tracker] | None) -> transfer.Receiver:
+    """Ask for what must travel and take it in; every file arrived, checked and staged."""
+    remote.send(pull_request(plan.wanted), kind="request")
+    remote.close_stdin()
+    tracker = progress(plan.to_send) if progress and plan.to_send else None
+    receiver = transfer.Receiver(plan, tracker)
+    try:
+        result = ct.finish(remote, on_stdout=receiver)
+    except ConnectionLost as lost:
+        receiver.close()
+        raise ConnectionLost(f"{lost}; {receiver.kept} bytes of it are kept in {plan.staging}: the same pull "
+                             "continues from there") from None
+    finally:
+        receiver.close()
+        if tracker:
+            tracker.close()
+    if result.rc != 0:
+        raise ct.failure(result, "pull")
+    if not receiver.complete or receiver.extra:
+        raise GpuctlError(f"the container sent {'less' if not receiver.complete else 'more'} than it announced; "
+                          "run the pull again", ExitCode.RUN_FAILED)
+    return receiver
+
+
 def pull_destination(dest: str, what: PullWhat, with_optimizer: bool) -> transfer.Destination:
     """The options of a pull, checked before connecting: a bad DEST or combination is a usage error."""
     if with_optimizer and what != PullWhat.CHECKPOINT:
@@ -99,26 +124,11 @@ def pull(ct: Container, run_number: int, what: PullWhat, dest: transfer.Destinat
         remote.close_stdin()
         ct.finish(remote)
         raise
-    remote.send(pull_request(plan.wanted), kind="request")
-    remote.close_stdin()
-    tracker = progress(plan.to_send) if progress and plan.to_send else None
-    receiver = transfer.Receiver(plan, tracker)
     try:
-        result = ct.finish(remote, on_stdout=receiver)
-    except ConnectionLost as lost:
-        receiver.close()
-        raise ConnectionLost(f"{lost}; {receiver.kept} bytes of it are kept in {plan.staging}: the same pull "
-                             "continues from there") from None
+        receiver = _receive(ct, remote, plan, progress)
+        transfer.commit(plan)
     finally:
-        receiver.close()
-        if tracker:
-            tracker.close()
-    if result.rc != 0:
-        raise ct.failure(result, "pull")
-    if not receiver.complete or receiver.trailer:
-        raise GpuctlError(f"the container sent {'less' if not receiver.complete else 'more'} than it announced; "
-                          "run the pull again", ExitCode.RUN_FAILED)
-    transfer.commit(plan)
+        plan.release()  # the staging directory's lock: another pull to DEST may go on
     return PullResult(run=reply.run, what=what, source=reply.source or "", export_from=reply.export_from,
                       dest=dest.path, outcome=transfer.outcome(plan, receiver),
                       received_bytes=ct.session.stats.received)

@@ -6,7 +6,7 @@ whatever the scope: the choice between one and many is made here, in `resolve`, 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -40,8 +40,8 @@ class One:
         return plan_launch(self.address, opts)
 
     @contextmanager
-    def connected(self, stats: ssh.Stats | None) -> Iterator[One]:
-        with connected(self.address, stats) as self.ct:
+    def connected(self, stats: ssh.Stats | None, bound_s: float | None = None) -> Iterator[One]:
+        with connected(self.address, stats, bound_s) as self.ct:
             yield self
 
     @property
@@ -50,9 +50,11 @@ class One:
         return self.ct
 
     def launch(self, opts: LaunchOptions, notify: Notify, progress: Progress | None) -> LaunchResult:
-        result = launch(self.ct, self.address, opts, notify=notify, progress=progress)
-        remember(self.address)
-        return result
+        return launch(self.ct, self.address, opts, notify=notify, progress=progress)
+
+    def remember(self, result: LaunchResult, warn: Notify) -> None:
+        """Keep this target for the next command (after the launch is shown: a failure here is a warning)."""
+        kept(lambda: remember(self.address), warn)
 
     def status(self, number: int, reconnect: Notify | None = None) -> StatusReport:
         """reconnect: a watch's messages, when a dropped connection is to be made again."""
@@ -93,8 +95,8 @@ class Nodes:
         return multi.plan_launch(self.addresses, opts, self.master_addr, self.master_port)
 
     @contextmanager
-    def connected(self, stats: ssh.Stats | None) -> Iterator[Nodes]:
-        with connected_nodes(self.addresses, stats) as self.nodes:
+    def connected(self, stats: ssh.Stats | None, bound_s: float | None = None) -> Iterator[Nodes]:
+        with connected_nodes(self.addresses, stats, bound_s) as self.nodes:
             yield self
 
     @property
@@ -102,9 +104,10 @@ class Nodes:
         return self.nodes[0].ct
 
     def launch(self, opts: LaunchOptions, notify: Notify, progress: Progress | None) -> multi.ClusterLaunch:
-        result = multi.launch(self.nodes, opts, self.master_addr, self.master_port, notify=notify)
-        remember(self.addresses[0], nodes=self.addresses, run=result.number)
-        return result
+        return multi.launch(self.nodes, opts, self.master_addr, self.master_port, notify=notify)
+
+    def remember(self, result: multi.ClusterLaunch, warn: Notify) -> None:
+        kept(lambda: remember(self.addresses[0], nodes=self.addresses, run=result.number), warn)
 
     def status(self, number: int, reconnect: Notify | None = None) -> multi.ClusterStatus:
         return multi.status(self.nodes, number or self.run)
@@ -122,6 +125,15 @@ class Nodes:
 
 
 Scope = One | Nodes
+
+
+def kept(remembering: Callable[[], None], warn: Notify) -> None:
+    """Remember a target; the launch it follows has happened, so a state dir that cannot be written only warns."""
+    try:
+        remembering()
+    except OSError as e:
+        warn(f"warning: the target is not remembered for the next command ({e.strerror or e}: "
+             f"{e.filename or 'the state dir'})")
 
 
 def resolve(flags: AddressFlags) -> Scope:

@@ -4,7 +4,6 @@ it. Below every command: no Typer, no Rich.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Protocol, TypeVar
@@ -32,18 +31,16 @@ class Tracker(Protocol):
 Progress = Callable[[int], Tracker]  # progress(total bytes): the tracker of one transfer
 
 
-def seconds(name: str, default: float) -> float:
-    return float(os.environ.get(name, default))
-
-
-RECONNECT_S = seconds("GPUCTL_RECONNECT_TIMEOUT", 60)  # a follower's time to get a lost connection back
+RECONNECT_S = ssh.env_seconds("GPUCTL_RECONNECT_TIMEOUT", 60)  # a follower's time to get a lost connection back
+# status, runs, kill (plus its grace) and doctor: each remote command they make ends within this, or exit 3.
+BOUND_S = ssh.env_seconds("GPUCTL_COMMAND_BOUND", 120)
 
 
 @contextmanager
-def connected(address: Address, stats: ssh.Stats | None = None) -> Iterator[Container]:
+def connected(address: Address, stats: ssh.Stats | None = None, bound_s: float | None = None) -> Iterator[Container]:
     """One SSH connection for the whole invocation (a follower may replace it after a drop); what it costs is
-    counted in ct.session.stats (`stats`, when given)."""
-    ct = Container(session=ssh.connect(address, stats), address=address)
+    counted in ct.session.stats (`stats`, when given); `bound_s`: the bound of each of its remote commands."""
+    ct = Container(session=ssh.connect(address, stats, bound_s), address=address)
     try:
         yield ct
     finally:

@@ -50,6 +50,7 @@ class StatusReport:
     gpus: list[Gpu]
     losses: list[float] = field(default_factory=list)  # a sample of the run's losses, oldest first
     last_line: str | None = None  # the log's last line (asked for: a multi-node run's node)
+    gpus_error: str | None = None  # why there is no GPU table: nvidia-smi did not answer in time
 
     def to_json(self) -> dict:
         keys = ("run_id", "state", "exit_code", "pid", "pgid", "started_at", "ended_at", "elapsed_s", "log_path",
@@ -57,6 +58,7 @@ class StatusReport:
                 "attempts_left", "retry_of", "attempts", "last_failure", "retried_as", "retry_stopped")
         doc = self.run.to_json() if self.run else dict.fromkeys(keys)
         doc["gpus"] = [g.to_json() for g in self.gpus]
+        doc["gpus_error"] = self.gpus_error
         doc["container"] = {"ctid": self.ctid, "status": self.container_status, "host": self.host}
         return doc
 
@@ -79,7 +81,14 @@ def status(ct: Container, run_number: int = 0, last_line: bool = False) -> Statu
     losses = [by_step[step] for step in sorted(by_step)]
     tail = inspection.tails.get(run.number, b"").decode(errors="replace").strip() if run else ""
     return StatusReport(ctid=ct.ctid, host=ct.host, container_status="running", run=run,
-                        gpus=parse_gpus(inspection.gpus_csv), losses=losses, last_line=tail or None)
+                        gpus=parse_gpus(inspection.gpus_csv), losses=losses, last_line=shown_line(tail) or None,
+                        gpus_error=inspection.gpus_error)
+
+
+def shown_line(tail: str) -> str:
+    """A log's last line as a terminal shows it: what follows its last carriage return (progress bars)."""
+    lines = [line for line in tail.splitlines() if line.strip()]  # splitlines splits at "\r" too
+    return lines[-1].strip() if lines else ""
 
 
 def list_runs(ct: Container) -> list[Run]:

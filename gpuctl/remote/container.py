@@ -21,8 +21,11 @@ RECORDS_DIR = "/workspace/.gpuctl"
 STAGE_DIR = "/root/gpuctl"
 # The interpreter `gpuctl setup` made (one line, its path): launch and doctor use it when --python is not given.
 INTERPRETER_FILE = f"{STAGE_DIR}/interpreter"
+PROBE_S = ssh.env_seconds("GPUCTL_PROBE_TIMEOUT", 10)  # a container-side probe (nvidia-smi, du) answers within it
 PCT_MISSING = re.compile(r"Configuration file '\S+/lxc/(\d+)\.conf' does not exist")
 PCT_NOT_RUNNING = re.compile(r"container '(\d+)' not running")
+# The key was accepted but the account may not log in: its shell (nologin) says so and ends, running nothing.
+LOGIN_REFUSED = re.compile(r"This account is currently not available")
 
 
 class Reply(Protocol):
@@ -57,7 +60,8 @@ class Container:
         return scripts.render("pct_exec", ctid=self.ctid).strip()
 
     def script(self, template: str, **values: Any) -> str:
-        return scripts.render(f"{template}.sh", records_dir=RECORDS_DIR, **values)
+        return scripts.render(f"{template}.sh", records_dir=RECORDS_DIR, alive_s=f"{ssh.HEARTBEAT_S:g}", probe_s=f"{PROBE_S:g}",
+                              **values)
 
     def run(self, template: str, **values: Any) -> Completed:
         """Run templates/TEMPLATE.sh.j2 in the container and collect its output."""
@@ -96,7 +100,7 @@ class Container:
         @retry(stop=stop_after_delay(within_s), wait=wait_exponential(multiplier=0.1, max=2.0),
                retry=retry_if_exception_type((Unreachable, ConnectionLost)), reraise=True)
         def attempt() -> Session:
-            return ssh.connect(self.address, stats=self.session.stats)
+            return ssh.connect(self.address, stats=self.session.stats, bound_s=self.session.bound_s)
 
         self.session = attempt()
 
@@ -104,6 +108,10 @@ class Container:
         if result.rc == 0:
             return result
         err = result.stderr.decode(errors="replace")
+        said = result.stdout.decode(errors="replace") + "\n" + err
+        if LOGIN_REFUSED.search(said) and not result.stdout.startswith(b"@@"):
+            reason = "; ".join(line.strip() for line in said.splitlines() if line.strip())
+            raise ssh.host_error(f"{self.session.endpoint.describe()} refused the login: {reason}")
         if PCT_MISSING.search(err):
             raise GpuctlError(f"container {self.ctid} does not exist on {self.host} ({err.strip()})",
                               ExitCode.CONTAINER)

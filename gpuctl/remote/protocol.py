@@ -30,6 +30,12 @@ class ScriptExit(IntEnum):
     NOTHING = 79  # pull.sh: the run has nothing of what was asked (no export nor checkpoint): its stderr line says what
 
 
+# What a script sends of a file's end: a log's last lines come from its last TAIL_BYTES (a line longer than that,
+# say progress bars joined by carriage returns, arrives cut to its end); a metrics line from LINE_BYTES.
+TAIL_BYTES = 16 * 1024
+LINE_BYTES = 256 * 1024
+
+
 def parse_sections(data: bytes) -> list[tuple[str, bytes]]:
     """Read back what the scripts' `emit NAME VALUE` wrote: `@@NAME LENGTH\\nVALUE\\n`, in order."""
     sections, pos = [], 0
@@ -115,6 +121,7 @@ class Inspection:
     rests: dict[int, bytes]  # run number -> the log from the asked byte offset on
     histories: dict[int, bytes]  # run number -> a sample of its metrics lines that have a loss
     gpus_csv: bytes | None
+    gpus_error: str | None = None  # nvidia-smi did not answer in time: the line that says so
 
     @classmethod
     def parse(cls, data: bytes) -> Inspection:
@@ -123,7 +130,7 @@ class Inspection:
         for name, value in parse_sections(data):
             if name == "run":
                 facts_by_run.append({"number": int(value)})
-            elif facts_by_run and name != "gpus":
+            elif facts_by_run and name not in ("gpus", "gpus_error"):
                 facts_by_run[-1][name] = value
             else:
                 top[name] = value
@@ -145,7 +152,9 @@ class Inspection:
                 rests[facts["number"]] = facts["rest"].removesuffix(b"x")  # the script's guard for trailing newlines
             if "metrics_history" in facts:
                 histories[facts["number"]] = facts["metrics_history"]
-        return cls(runs=runs, tails=tails, rests=rests, histories=histories, gpus_csv=top.get("gpus"))
+        error = top["gpus_error"].decode(errors="replace") if top.get("gpus_error") else None
+        return cls(runs=runs, tails=tails, rests=rests, histories=histories, gpus_csv=top.get("gpus"),
+                   gpus_error=error)
 
 
 @dataclass(frozen=True)
@@ -285,9 +294,10 @@ class DoctorReply:
     active: list[Run]  # the runs alive in the container
     last_run: dict[str, Any] | None  # the record of the last training run
     workspace: tuple[int, int] | None  # /workspace's (free, total) bytes; None: no /workspace
-    compile_cache_bytes: int | None  # /tmp/torchinductor_root's size; None: there is none
+    compile_cache_bytes: int | None  # /tmp/torchinductor_root's size; None: there is none (or du did not say)
     gpus_csv: bytes | None  # nvidia-smi's GPU table (commands.parse_gpus reads it); None: no nvidia-smi
     smi: str  # the start of nvidia-smi's own output: the driver's version, and the CUDA version it supports
+    compile_cache_error: str = ""  # what du said instead of a size (it did not answer in time), else ""
 
     @classmethod
     def parse(cls, data: bytes) -> DoctorReply:
@@ -315,4 +325,5 @@ class DoctorReply:
                    active=[Run(number=n, record=r, alive=True) for n, r in zip(numbers, records)],
                    last_run=json.loads(found["last_run"]) if found.get("last_run") else None,
                    workspace=workspace, compile_cache_bytes=int(cache) if cache.isdigit() else None,
+                   compile_cache_error="" if cache.isdigit() else cache,
                    gpus_csv=found.get("gpus"), smi=text.get("smi", ""))

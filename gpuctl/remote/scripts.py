@@ -2,7 +2,8 @@
 
 The `shquote` filter (shlex.quote) is the one place that quotes for the shell: every value that reaches a
 script goes through it. StrictUndefined turns a missing variable into an error instead of an empty string.
-Every template sees `exits`, the scripts' exit codes (gpuctl.protocol.ScriptExit): `exit {{ exits.LOCKED }}`.
+Every template sees `exits`, the scripts' exit codes (gpuctl.protocol.ScriptExit): `exit {{ exits.LOCKED }}`, and
+the bounds of what a script sends back of a file's end (`tail_bytes`, `line_bytes`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import jinja2
 
 from gpuctl import paths
-from gpuctl.remote.protocol import ScriptExit
+from gpuctl.remote.protocol import LINE_BYTES, TAIL_BYTES, ScriptExit
 
 
 def shquote(value: Any) -> str:
@@ -38,6 +39,8 @@ def environment() -> jinja2.Environment:
     )
     env.filters["shquote"] = shquote
     env.globals["exits"] = {code.name: int(code) for code in ScriptExit}  # plain ints: they render as numbers
+    env.globals["tail_bytes"] = TAIL_BYTES
+    env.globals["line_bytes"] = LINE_BYTES
     return env
 
 

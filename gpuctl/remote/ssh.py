@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 import warnings
 from collections import Counter
@@ -33,6 +34,21 @@ logging.getLogger("paramiko").addHandler(logging.NullHandler())
 RECV_BYTES = 65536
 SEND_CHUNK = 32768
 MAX_JUMPS = 8
+KEEPALIVE_S = 15  # every transport sends an SSH keepalive this often, so a NAT or firewall keeps the link open
+STDERR_CAP = 64 * 1024  # what is kept of a remote command's stderr (its heartbeats not counted)
+STDOUT_CAP = 256 * 1024 * 1024  # what one remote command's stdout may fill when collected (not streamed)
+HEARTBEAT = b"@@alive\n"  # what the container's scripts write on stderr while they work (templates/lib.sh.j2)
+
+
+def env_seconds(name: str, default: float) -> float:
+    """A time limit from the environment (tests give small ones), else its default."""
+    return float(os.environ.get(name, default))
+
+
+# The container's scripts send a heartbeat this often; no byte (output or heartbeat) from a remote command for
+# IDLE_S means the host or the link is dead (exit 3).
+HEARTBEAT_S = env_seconds("GPUCTL_HEARTBEAT", 5)
+IDLE_S = env_seconds("GPUCTL_IDLE_TIMEOUT", max(30, 4 * HEARTBEAT_S))
 
 
 @dataclass
@@ -78,6 +94,13 @@ class ConnectionLost(GpuctlError):
 
     def __init__(self, message: str):
         super().__init__(message, ExitCode.HOST)
+
+
+class TooMuch(GpuctlError):
+    """A remote command sent more than gpuctl keeps of its output: it fails, and nothing unbounded is held."""
+
+    def __init__(self, message: str):
+        super().__init__(message, ExitCode.RUN_FAILED)
 
 
 class Unreachable(GpuctlError):
@@ -168,20 +191,29 @@ class RemoteCommand:
         self._chan = chan
         self._session = session
         self._pending = bytearray()  # stdout read past a marker, for the next reader
-        self.stderr = bytearray()
+        self.stderr = bytearray()  # at most STDERR_CAP bytes, without the heartbeats
+        bound = session.bound_s
+        self._deadline = time.monotonic() + bound if bound else None
 
     def send(self, data: bytes, kind: str = "script", progress: Callable[[int], None] | None = None) -> int:
         """Write to the command's stdin; returns the bytes written (all of data: a failed write raises), which
         the session's stats count under `kind`."""
-        for start in range(0, len(data), SEND_CHUNK):
-            chunk = data[start:start + SEND_CHUNK]
+        start, moved = 0, time.monotonic()
+        while start < len(data):
             try:
-                self._chan.sendall(chunk)
+                n = self._chan.send(data[start:start + SEND_CHUNK])
+            except TimeoutError:  # the channel's window is full: the far end reads nothing
+                if time.monotonic() - moved > self._session.idle_s:
+                    raise self._session.lost(f"nothing could be written for {self._session.idle_s:g} s") from None
+                continue
             except (OSError, EOFError, paramiko.SSHException) as e:
                 raise self._session.lost(f"writing to the remote command failed: {e or type(e).__name__}")
-            self._session.stats.sent[kind] += len(chunk)
+            if n <= 0:
+                raise self._session.lost("writing to the remote command failed: the channel is closed")
+            start, moved = start + n, time.monotonic()
+            self._session.stats.sent[kind] += n
             if progress:
-                progress(len(chunk))
+                progress(n)
         return len(data)
 
     def close_stdin(self) -> None:
@@ -198,7 +230,7 @@ class RemoteCommand:
         def found() -> bool:
             return marker in buf
 
-        ended = found() or self._pump(buf.extend, self.stderr.extend, idle_timeout=None, stop=found)
+        ended = found() or self._pump(self._collect(buf), self._keep_stderr, idle_timeout=None, stop=found)
         if ended and not found():
             return bytes(buf), False
         end = buf.index(marker) + len(marker)
@@ -209,10 +241,10 @@ class RemoteCommand:
                on_stderr: Callable[[bytes], None] | None = None, idle_timeout: float | None = None) -> Completed:
         """Read the rest of the output (to the callbacks, else collected) and the exit status."""
         out = bytearray()
-        on_stdout = on_stdout or out.extend
+        on_stdout = on_stdout or self._collect(out)
 
         def on_err(data: bytes) -> None:  # always kept too: the caller's error message may need it
-            self.stderr.extend(data)
+            self._keep_stderr(data)
             if on_stderr:
                 on_stderr(data)
 
@@ -224,6 +256,8 @@ class RemoteCommand:
             while (data := self._recv(stderr=True)) != b"":
                 if data:
                     on_err(data)
+            if not self._chan.status_event.wait(self._session.idle_s):
+                raise self._session.lost(f"no exit status within {self._session.idle_s:g} s of the output's end")
             rc = self._chan.recv_exit_status()
             if rc == -1 and self._session.dropped():
                 raise self._session.lost("the connection dropped")
@@ -233,6 +267,22 @@ class RemoteCommand:
             except (OSError, EOFError, paramiko.SSHException):
                 pass  # the connection is gone: what ended the command says so
         return Completed(rc, bytes(out), bytes(self.stderr))
+
+    def _collect(self, buf: bytearray) -> Callable[[bytes], None]:
+        """A writer of stdout into buf that fails, in one line, past STDOUT_CAP."""
+        def extend(data: bytes) -> None:
+            if len(buf) + len(data) > STDOUT_CAP:
+                raise TooMuch(f"{self._session.endpoint.describe()}: a remote command sent more than "
+                              f"{STDOUT_CAP >> 20} MiB of output; gpuctl stopped reading it")
+            buf.extend(data)
+        return extend
+
+    def _keep_stderr(self, data: bytes) -> None:
+        data = data.replace(HEARTBEAT, b"")
+        if len(self.stderr) + len(data) > STDERR_CAP:
+            raise TooMuch(f"{self._session.endpoint.describe()}: a remote command wrote more than "
+                          f"{STDERR_CAP >> 10} KiB on stderr; gpuctl stopped reading it")
+        self.stderr.extend(data)
 
     def _recv(self, stderr: bool = False) -> bytes | None:
         """One read of the command's stdout (or stderr): b"" at its end, None when nothing came within the channel's
@@ -249,8 +299,11 @@ class RemoteCommand:
 
     def _pump(self, on_stdout: Callable[[bytes], None], on_stderr: Callable[[bytes], None],
               idle_timeout: float | None, stop: Callable[[], bool] | None) -> bool:
-        """Pass output on until stdout ends (True) or stop() holds (False). Silence longer than idle_timeout
-        (a command that sends heartbeats) means the link is dead even if TCP has not noticed yet."""
+        """Pass output on until stdout ends (True) or stop() holds (False). Silence longer than idle_timeout (the
+        session's idle deadline when None: every container script sends heartbeats) means the link or the host
+        is dead even if TCP has not noticed yet; the session's bound, when it has one, ends a command that
+        takes longer."""
+        idle_timeout = idle_timeout or self._session.idle_s
         heard = time.monotonic()
         while True:
             data = self._recv()
@@ -266,6 +319,9 @@ class RemoteCommand:
                 raise self._session.lost("the connection dropped")
             elif idle_timeout and time.monotonic() - heard > idle_timeout:
                 raise self._session.lost(f"nothing heard for {idle_timeout:g} s")
+            if self._deadline is not None and time.monotonic() > self._deadline:
+                raise host_error(f"{self._session.endpoint.describe()}: the remote command did not finish "
+                                 f"within {self._session.bound_s:g} s")
             if stop and stop():
                 return False
 
@@ -274,12 +330,14 @@ class Session:
     """An open SSH connection (and the jump hosts' connections under it)."""
 
     def __init__(self, client: paramiko.SSHClient, endpoint: Endpoint, timeout: float, stats: Stats,
-                 jumps: list[paramiko.SSHClient] | None = None):
+                 jumps: list[paramiko.SSHClient] | None = None, bound_s: float | None = None):
         self._client = client
         self._jumps = jumps or []
         self.endpoint = endpoint
         self._timeout = timeout
         self.stats = stats
+        self.idle_s = IDLE_S
+        self.bound_s = bound_s  # when set, every remote command must end within it (status, runs, kill, doctor)
 
     def connected(self) -> bool:
         transport = self._client.get_transport()
@@ -303,13 +361,20 @@ class Session:
             raise self.lost("the connection dropped")
         transport = self._client.get_transport()
         self.stats.remote_commands += 1
+        # paramiko waits for the server's answer to exec without a bound: a host that froze would hold it forever,
+        # so the transport is closed (the wait ends, the connection is lost) if no answer comes within idle_s.
+        watchdog = threading.Timer(self.idle_s, transport.close)
+        watchdog.daemon = True
         try:
             chan = transport.open_session(timeout=self._timeout)
+            watchdog.start()
             chan.exec_command(command)
         except (paramiko.SSHException, OSError, EOFError) as e:
             if self.dropped():
                 raise self.lost(str(e) or type(e).__name__) from None
             raise host_error(f"{self.endpoint.describe()}: cannot run a remote command: {e}") from None
+        finally:
+            watchdog.cancel()
         chan.settimeout(0.5)  # recv wakes up this often, so Ctrl-C and a dead link are noticed promptly
         return RemoteCommand(chan, self)
 
@@ -379,12 +444,13 @@ def _login(endpoint: Endpoint, timeout: float, opened: list[paramiko.SSHClient])
         elif isinstance(e, (TimeoutError, socket.timeout)):
             reason = f"no answer within {timeout:g} s"
         raise Unreachable(f"cannot connect to {where}: {reason}") from None
+    client.get_transport().set_keepalive(KEEPALIVE_S)
     return client
 
 
-def connect(address: Address, stats: Stats | None = None) -> Session:
+def connect(address: Address, stats: Stats | None = None, bound_s: float | None = None) -> Session:
     """Connect to the address. The session counts what it costs into `stats` when given (a reconnect passes the
-    lost session's, so the counts go on), else into fresh Stats."""
+    lost session's, so the counts go on), else into fresh Stats; `bound_s`: each remote command's bound."""
     endpoint = resolve_endpoint(address)
     opened: list[paramiko.SSHClient] = []
     started = time.perf_counter()
@@ -397,7 +463,7 @@ def connect(address: Address, stats: Stats | None = None) -> Session:
     if stats is None:
         stats = Stats()
     stats.connect_s = time.perf_counter() - started
-    return Session(client, endpoint, address.connect_timeout, stats, jumps=opened[:-1])
+    return Session(client, endpoint, address.connect_timeout, stats, jumps=opened[:-1], bound_s=bound_s)
 
 
 def trace_line(stats: Stats) -> str:

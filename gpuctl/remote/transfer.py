@@ -6,10 +6,15 @@ do they move to DEST: a new directory is one rename (so DEST appears complete or
 earlier pull) gets the files that changed, each by a rename. The staging directory remembers which container file
 each .part holds (`.gpuctl-pull.json`, name -> sha256), so the next pull continues a cut file at its byte offset;
 a file already at DEST or in staging with the same sha256 does not travel at all.
+
+The staging directory is made without following a link (one that exists and is not a plain directory of this
+user is refused) and locked for the whole pull, so a second pull to the same DEST is refused (exit 5) rather
+than mixing its bytes in. Each file's sha256 is checked on disk, not only as its bytes arrived, before its rename.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -26,6 +31,7 @@ from gpuctl.remote.protocol import RemoteFile
 STATE_FILE = ".gpuctl-pull.json"
 PART = ".part"
 READ_CHUNK = 1 << 20
+TRAILER_CAP = 4096  # what is kept of bytes sent after the last file (there should be none)
 
 
 class Action(str, Enum):
@@ -83,6 +89,12 @@ class PullPlan:
     dest: Destination
     staging: Path
     files: list[FilePlan]
+    lock: int | None = None  # the staging directory, open and locked (flock) until release()
+
+    def release(self) -> None:
+        if self.lock is not None:
+            os.close(self.lock)
+            self.lock = None
 
     @property
     def wanted(self) -> list[tuple[int, int]]:
@@ -121,6 +133,51 @@ def _check_names(files: list[RemoteFile]) -> None:
                 or f.name.endswith(PART) or f.name == STATE_FILE or f.name in seen or "\0" in f.name):
             raise GpuctlError(f"the container offered a file gpuctl will not write: {f.name!r}", ExitCode.RUN_FAILED)
         seen.add(f.name)
+    for name in seen:  # `a` and `a/b`: one cannot be both a file and a directory
+        parts = PurePosixPath(name).parts
+        prefix = next((p for p in (PurePosixPath(*parts[:i]).as_posix() for i in range(1, len(parts)))
+                       if p in seen), None)
+        if prefix is not None:
+            raise GpuctlError(f"the container offered both {prefix!r} and {name!r}: gpuctl will not write a file "
+                              "where a directory must be", ExitCode.RUN_FAILED)
+
+
+def _locked_staging(staging: Path, dest: Path) -> int:
+    """Make the staging directory (or take an earlier pull's) without following a link there, and lock it: its
+    descriptor, held until the pull ends. One that is not a plain directory of this user is refused (exit 2); one
+    locked by another pull is a conflict (exit 5)."""
+    try:
+        staging.parent.mkdir(parents=True, exist_ok=True)
+        os.mkdir(staging)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise usage_error(f"cannot create {staging}: {e.strerror}") from None
+    refused = usage_error(f"{staging} exists and is not a plain directory of yours (a link?): gpuctl stages the "
+                          "pull there; remove it, or choose another DEST")
+    try:
+        fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        raise refused from None
+    found = os.fstat(fd)
+    try:
+        if found.st_uid != os.getuid():
+            raise refused
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise GpuctlError(f"another pull to {dest} is running (it stages in {staging}): let it end",
+                              ExitCode.CONFLICT) from None
+        try:
+            now = os.lstat(staging)
+        except FileNotFoundError:
+            now = None
+        if now is None or (now.st_dev, now.st_ino) != (found.st_dev, found.st_ino):  # that pull moved it to DEST
+            raise GpuctlError(f"another pull to {dest} just ended: run this one again", ExitCode.CONFLICT)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _existing_files(root: Path) -> set[str]:
@@ -163,16 +220,22 @@ def plan(dest: Destination, files: list[RemoteFile]) -> PullPlan:
         if final.is_dir():
             raise usage_error(f"{final} is a directory")
         staging = final.parent / f".{final.name}.partial"
+    lock = _locked_staging(staging, dest.path)
     try:
-        staging.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise usage_error(f"cannot create {staging}: {e.strerror}") from None
+        return _plan_files(dest, files, staging, lock)
+    except BaseException:
+        os.close(lock)
+        raise
+
+
+def _plan_files(dest: Destination, files: list[RemoteFile], staging: Path, lock: int) -> PullPlan:
+    names = {f.name for f in files}
     keep = {STATE_FILE} | names | {name + PART for name in names}
     for leftover in sorted(_existing_files(staging) - keep, reverse=True):
         (staging / leftover).unlink()
     state = _read_state(staging)
 
-    result = PullPlan(dest, staging, [])
+    result = PullPlan(dest, staging, [], lock)
     for index, remote in enumerate(files):
         final = dest.final(remote.name)
         staged, part = result.staged(remote.name), result.part(remote.name)
@@ -194,8 +257,11 @@ def plan(dest: Destination, files: list[RemoteFile]) -> PullPlan:
 
 
 def _finish(part: Path, staged: Path, remote: RemoteFile, hasher: Any) -> None:
-    """A file fully here: checked against the container's sha256, then renamed to its own name."""
+    """A file fully here: checked against the container's sha256 (as it arrived, and as it is on disk), then
+    renamed to its own name."""
     got = hasher.hexdigest()
+    if got == remote.sha256:
+        got = sha256_of(part).hexdigest()
     if got != remote.sha256:
         part.unlink(missing_ok=True)
         raise GpuctlError(f"{remote.name} arrived with sha256 {got[:16]}…, not the container's "
@@ -207,13 +273,14 @@ def _finish(part: Path, staged: Path, remote: RemoteFile, hasher: Any) -> None:
 class Receiver:
     """Takes what pull.sh sends (the asked files' bytes back to back, in the order asked) and writes each into its
     .part file; a file complete and checked is renamed into the staging directory at once. Bytes after the last
-    file (there should be none) are kept in `trailer`."""
+    file (there should be none) are counted in `extra`, the first TRAILER_CAP of them kept in `trailer`."""
 
     def __init__(self, pull_plan: PullPlan, progress: Callable[[int], None] | None = None):
         self.plan = pull_plan
         self.progress = progress
         self.sent: dict[str, int] = {}
         self.trailer = bytearray()
+        self.extra = 0
         self._queue = [f for f in pull_plan.files if f.to_send]
         self._current: FilePlan | None = None
         self._file = None
@@ -224,7 +291,8 @@ class Receiver:
         while view:
             if self._current is None:
                 if not self._queue:
-                    self.trailer += view
+                    self.extra += len(view)
+                    self.trailer += view[:max(0, TRAILER_CAP - len(self.trailer))]
                     return
                 self._open(self._queue.pop(0))
             n = min(len(view), self._left)

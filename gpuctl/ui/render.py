@@ -160,6 +160,8 @@ def status_renderable(report: StatusReport | ClusterStatus) -> RenderableType:
             memory = f"{gpu.memory_used_mib} / {gpu.memory_total_mib} MiB"
             table.add_row(str(gpu.index), gpu.name, util, memory)
         parts.append(table)
+    elif report.gpus_error:
+        parts.append(Text(f"GPUs: unknown ({report.gpus_error})"))
     else:
         parts.append(Text("no GPUs visible in the container (nvidia-smi found none)"))
     return Group(*parts)

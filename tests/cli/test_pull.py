@@ -14,6 +14,8 @@ import pytest
 from tenacity import retry, stop_after_delay, wait_fixed
 
 from gpuctl import cli
+from gpuctl.errors import GpuctlError
+from gpuctl.remote import transfer
 from gpuctl.ui import render
 from tests.cli.conftest import Gpuctl
 from tests.sandbox.forwarder import Forwarder
@@ -273,3 +275,58 @@ def test_progress_bar_for_a_long_pull_never_with_json(gpuctl, monkeypatch, capsy
     assert cli.run(["pull", str(tmp_path / "b"), "--json"]) == 0
     out, err = capsys.readouterr()
     assert "pulling" not in err and json.loads(out)["bytes"]["sent"] > 200000
+
+
+def test_a_second_pull_to_the_same_dest_is_refused_while_the_first_goes_on(gpuctl, tmp_path):
+    """Two pulls to one DEST: the second, started while the first is receiving, is refused (exit 5, one line)
+    and touches nothing; the first ends with every file, checked."""
+    train(gpuctl, "steps=1", f"weights_bytes={BIG}")
+    dest = tmp_path / "drafter"
+    part = tmp_path / ".drafter.partial" / "model.safetensors.part"
+    first = gpuctl.popen("pull", str(dest))
+
+    @retry(stop=stop_after_delay(60), wait=wait_fixed(0.005), reraise=True)
+    def receiving() -> None:
+        assert part.is_file() and part.stat().st_size > 0
+
+    receiving()
+    os.kill(first.pid, signal.SIGSTOP)  # the first holds the staging directory, mid-transfer
+    try:
+        kept = part.stat().st_size
+        second = gpuctl("pull", str(dest))
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    _, err = first.communicate(timeout=60)
+    assert second.code == 5, second.stderr
+    assert f"another pull to {dest} is running" in second.stderr and len(second.stderr.splitlines()) == 1
+    assert first.returncode == 0, err
+    assert tree(dest) == tree(gpuctl.path(f"{OUT}/export"))  # byte for byte: nothing of the second mixed in
+    assert not (tmp_path / ".drafter.partial").exists() and kept < BIG
+
+
+def test_a_staging_directory_that_is_a_link_is_refused(gpuctl, tmp_path):
+    """`.DEST.partial` a link to another directory: refused (exit 2), nothing written through it, no DEST."""
+    train(gpuctl, "steps=1", "weights_bytes=1000")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / ".drafter.partial").symlink_to(elsewhere)
+    result = gpuctl("pull", str(tmp_path / "drafter"))
+    assert result.code == 2, result.stderr
+    assert "is not a plain directory of yours (a link?)" in result.stderr
+    assert list(elsewhere.iterdir()) == [] and not (tmp_path / "drafter").exists()
+
+
+def test_names_where_one_is_a_directory_of_another_are_refused(tmp_path):
+    files = [transfer.RemoteFile("a", 1, "0" * 64), transfer.RemoteFile("a/b", 1, "0" * 64)]
+    with pytest.raises(GpuctlError, match="offered both 'a' and 'a/b'"):
+        transfer.plan(transfer.destination(str(tmp_path / "dest"), directory=True), files)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bytes_after_the_last_file_are_counted_not_kept(tmp_path):
+    plan = transfer.plan(transfer.destination(str(tmp_path / "dest"), directory=True), [])
+    receiver = transfer.Receiver(plan)
+    for _ in range(100):
+        receiver(b"x" * 100_000)
+    plan.release()
+    assert receiver.extra == 10_000_000 and len(receiver.trailer) == transfer.TRAILER_CAP

@@ -275,6 +275,10 @@ class StandInHost:
     def set_gpus(self, ctid: int, gpus: list[dict]) -> None:
         (self.ct_dir(ctid) / "bin" / "gpus.json").write_text(json.dumps(gpus))
 
+    def hang_gpus(self, ctid: int) -> None:
+        """From now on the container's nvidia-smi never answers (a wedged driver)."""
+        (self.ct_dir(ctid) / "bin" / "hang").touch()
+
     def path_in(self, ctid: int, path: str) -> Path:
         """The host path of a path inside the container."""
         return self.ct_dir(ctid) / "rootfs" / path.lstrip("/")

@@ -1,7 +1,7 @@
 """Stand-in `nvidia-smi` for a stand-in container: its GPUs are read from gpus.json beside this file.
 
 gpus.json is a list of {"name", "utilization", "memory_used_mib", "memory_total_mib"}; tests set it through
-StandInHost.set_gpus. Supports `--query-gpu=FIELDS --format=csv[,noheader][,nounits]`, `-L` and the bare table,
+StandInHost.set_gpus. A file `hang` beside it makes every call hang, like a wedged driver (StandInHost.hang_gpus). Supports `--query-gpu=FIELDS --format=csv[,noheader][,nounits]`, `-L` and the bare table,
 whose header names the driver's version and the newest CUDA version it supports, as the real one's does.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 DRIVER_VERSION = "570.133.20"
@@ -33,6 +34,8 @@ def load_gpus() -> list[dict]:
 
 
 def main(argv: list[str]) -> int:
+    if (Path(__file__).resolve().parent / "hang").exists():  # a hung driver (StandInHost.hang_gpus)
+        time.sleep(3600)
     gpus = load_gpus()
     if not gpus:
         print("No devices were found")

@@ -16,6 +16,7 @@ import torch
 
 from training import checkpoint
 from training.checkpoint import CheckpointWriteError, list_checkpoints, load_checkpoint, save_checkpoint
+from training.durable import writer_tag
 from training.model import Drafter, DrafterConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,7 +77,7 @@ def test_keep_deletes_an_old_checkpoint_only_after_the_new_one_is_complete_on_di
 
     # Every file and the new directory fsynced, renamed into place, the rename fsynced: then the deletion.
     assert events[-3:] == [("rename", "step_00000003"), ("fsync", "checkpoints"), ("delete", "step_00000001")]
-    temporary = f".tmp-step_00000003-{checkpoint.os.getpid()}"
+    temporary = f".tmp-{writer_tag()}-step_00000003"  # named by its writer: host and pid
     assert {name for kind, name in events[:-3] if kind == "fsync"} >= {*checkpoint.FILES, temporary}
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002", "step_00000003"]
 
@@ -158,3 +159,53 @@ def test_real_write_errors_are_named_with_their_cause(tmp_path):
         f"cannot write the checkpoint {read_only}/checkpoints/step_00000001: Read-only file system (EROFS); {intact}",
     ]
     assert lines[2:] == [f"{full}:", "checkpoints", "", f"{read_only}:"]  # the temporary directory is gone
+
+
+# A save killed by SIGKILL at a chosen point (as `gpuctl kill` escalates while the SIGTERM checkpoint is being
+# written): the child kills itself there, so the point is exact and no sleep is involved.
+KILLED_SAVE = """
+import os, signal, sys
+from pathlib import Path
+from tests.training.test_checkpoint import save
+from training import checkpoint
+out, at = Path(sys.argv[1]), sys.argv[2]
+save(out, 1)
+save(out, 2)
+if at == "writing":  # the new checkpoint's files are half-made in its temporary directory
+    checkpoint.fsync_path = lambda path: os.kill(os.getpid(), signal.SIGKILL)
+    save(out, 3)
+else:  # step 2 written again: killed between moving the old step_2 aside and renaming the new one in
+    real = checkpoint.os.replace
+    def replace(src, dst):
+        real(src, dst)
+        os.kill(os.getpid(), signal.SIGKILL)
+    checkpoint.os.replace = replace
+    save(out, 2)
+"""
+
+
+def killed_save(out: Path, at: str) -> list[str]:
+    """What is in the checkpoints directory after a save was SIGKILLed at `at`."""
+    proc = subprocess.run([sys.executable, "-c", KILLED_SAVE, str(out), at], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == -9, proc.stderr
+    return sorted(p.name for p in checkpoint.checkpoints_dir(out).iterdir())
+
+
+def test_a_save_killed_while_writing_leaves_nothing_after_the_next_save(tmp_path):
+    left = killed_save(tmp_path, "writing")
+    assert [n for n in left if n.startswith(".tmp-")], left  # what the kill left
+    save(tmp_path, 4, keep=3)
+    assert sorted(p.name for p in checkpoint.checkpoints_dir(tmp_path).iterdir()) == [
+        "step_00000001", "step_00000002", "step_00000004"]
+
+
+def test_a_save_killed_between_its_renames_puts_the_step_back_at_start(tmp_path):
+    left = killed_save(tmp_path, "renaming")
+    assert "step_00000002" not in left and [n for n in left if n.startswith(".stale-")], left
+    checkpoint.recover_checkpoints(tmp_path)  # what a run does at its start (prepare_output_dir)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001", "step_00000002"]
+    assert sorted(p.name for p in checkpoint.checkpoints_dir(tmp_path).iterdir()) == [
+        "step_00000001", "step_00000002"]
+    state = torch.load(checkpoint.checkpoints_dir(tmp_path) / "step_00000002" / "state.pt", weights_only=True)
+    assert state["step"] == 2

@@ -13,6 +13,7 @@ from training.checkpoint import (
     checkpoints_dir,
     latest_checkpoint,
     load_checkpoint,
+    recover_checkpoints,
     save_checkpoint,
 )
 from training.config import ConfigError, TrainConfig
@@ -35,6 +36,7 @@ def prepare_output_dir(config: TrainConfig, resume: bool, per_run: bool = False)
         raise ConfigError(f"cannot create output_dir {output_dir}: {err.strerror or err}") from None
     if not os.access(output_dir, os.W_OK | os.X_OK):
         raise ConfigError(f"cannot write in output_dir {output_dir}: permission denied")
+    recover_checkpoints(output_dir)  # a save killed mid-write: its step put back, its leftovers gone
     if resume and latest_checkpoint(config.output_dir) is not None:
         check_checkpoint(latest_checkpoint(config.output_dir))  # e.g. a pre-<|MASK|> one: refused before any work
     if resume or latest_checkpoint(config.output_dir) is None:
