@@ -46,7 +46,6 @@ from training.entry import OneLineArgumentParser, StopSignals, run_entry_point
 from training.from_gguf import ensure_target_from_gguf
 from training.metrics import MetricsLog, announce_output
 
-
 DECODES = ("dynamic", "static")
 STATIC_MIN_WIDTH = 256  # the static decode's smallest prompt width (each width is compiled once)
 
