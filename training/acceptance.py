@@ -99,7 +99,7 @@ def file_prompts(path: Path) -> list[tuple[str, str]]:
     if not path.is_file():
         raise ConfigError(f"no prompt file {path} (a JSONL file, or humaneval)")
     prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(path.read_text().split("\n"), 1):  # not splitlines: a prompt may hold U+2028
         if not line.strip():
             continue
         try:

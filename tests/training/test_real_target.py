@@ -167,6 +167,14 @@ def test_smollm2_trains_exports_and_serves_losslessly_in_the_reference(smollm2, 
     assert "served tau" in capsys.readouterr().out
 
 
+def test_a_prompt_file_is_split_at_newlines_only(tmp_path):
+    """ShareGPT's prompts hold U+2028 and U+0085, which str.splitlines() splits at: one record stays one."""
+    prompts = tmp_path / "chat.jsonl"
+    records = [{"prompt": "first\u2028line", "set": "chat"}, {"messages": [{"role": "user", "content": "a\x85b"}]}]
+    prompts.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    assert load_prompts([str(prompts)], 0) == [("chat", "first\u2028line"), ("chat", "a\x85b")]
+
+
 def test_humaneval_is_the_packages_164_problems():
     prompts = load_prompts(["humaneval"], 0)
     assert len(prompts) == 164 and all(name == "humaneval" for name, _ in prompts)
