@@ -46,7 +46,7 @@ from training.entry import OneLineArgumentParser, StopSignals, run_entry_point
 from training.from_gguf import ensure_target_from_gguf
 from training.metrics import MetricsLog, announce_output
 
-DECODES = ("dynamic", "static")
+DECODES = ("dynamic", "static", "auto")
 STATIC_MIN_WIDTH = 256  # the static decode's smallest prompt width (each width is compiled once)
 
 
@@ -65,6 +65,7 @@ class RegenerateConfig:
     # "static": every generate call has one shape (batch_size rows, prompts left-padded to a power of two) and a
     # fixed-size cache (transformers' StaticCache), which transformers compiles on CUDA and replays as CUDA
     # graphs: the eager decode loop of a small target is bound by Python, not by the GPU. "dynamic": eager.
+    # "auto": static on CUDA, dynamic on the CPU (where nothing is compiled and filler rows only cost).
     decode: str = "dynamic"
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0  # nucleus sampling when temperature > 0 (top-k is off)
@@ -222,6 +223,7 @@ class ReplicaGenerator:
         if not self.eos_ids:
             raise ConfigError(f"{config.target_path}: neither the tokenizer nor the generation config has an EOS")
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+        self.static = config.decode == "static" or (config.decode == "auto" and self.device.type == "cuda")
 
     def sampling(self) -> dict:
         if self.config.temperature > 0:  # top_k 0: the model's own generation defaults must not narrow it
@@ -242,7 +244,7 @@ class ReplicaGenerator:
         """(reply text, tokens generated, cut at max_new_tokens) for each conversation so far."""
         prompts = [encode_chat(self.tokenizer, c, True, self.config.template_options()) for c in contexts]
         width, rows, cache = max(len(p) for p in prompts), len(prompts), {}
-        if self.config.decode == "static":  # one shape per width: filler rows repeat the last prompt
+        if self.static:  # one shape per width: filler rows repeat the last prompt
             width = max(STATIC_MIN_WIDTH, 1 << (width - 1).bit_length())
             rows, cache = max(rows, self.config.batch_size), {"cache_implementation": "static"}
         ids = torch.full((rows, width), self.pad_id, dtype=torch.long)

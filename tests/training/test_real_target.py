@@ -29,7 +29,7 @@ from training.train import main as train_main
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 SMALL_RUN = ["devices=cpu", "max_steps=2", "batch_size=2", "max_length=192", "length_buckets=[192]",
              "num_anchors=4", "num_draft_layers=1", "eval_prompts=1", "eval_new_tokens=8", "save_every=2",
-             "num_threads=2"]
+             "num_threads=2", "eval_data_path="]
 CHATS = [
     ("Write a Python function that adds two numbers.",
      ("Here is a simple function:\n\n```python\ndef add(a, b):\n    return a + b\n```\n\nIt returns the sum of a "

@@ -19,7 +19,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from training.config import load_config
 from training.data import encode_chat
-from training.regenerate import RegenerateConfig, content_id, main, recover_output, regenerate
+from training.regenerate import (
+    RegenerateConfig,
+    ReplicaGenerator,
+    content_id,
+    main,
+    recover_output,
+    regenerate,
+)
 from training.tiny import synthetic_words
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,6 +118,10 @@ def test_the_static_decode_writes_what_the_eager_one_writes(tiny_world, tmp_path
         assert regenerate(config) == 0
         outputs[decode] = sorted(read_output(output), key=lambda r: r["id"])
     assert outputs["static"] == outputs["dynamic"] and len(outputs["static"]) == 7
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(tiny_world.target), AutoTokenizer.from_pretrained(
+        tiny_world.target)
+    auto = config_for(tiny_world, tmp_path / "prompts.jsonl", tmp_path / "auto.jsonl", "decode=auto")
+    assert not ReplicaGenerator(model, tokenizer, auto).static  # on the CPU nothing compiles: no filler rows
 
 
 def test_sampling_is_seeded(tiny_world, tmp_path):
@@ -243,7 +254,7 @@ def test_bad_prompts_are_one_line_errors(tiny_world, tmp_path, capsys, lines, me
     (["top_p=0"], "top_p must be in (0, 1]"),
     (["temperature=-1"], "temperature must be >= 0"),
     (["batch_size=0"], "batch_size must be > 0"),
-    (["decode=graphs"], "decode must be one of dynamic, static"),
+    (["decode=graphs"], "decode must be one of dynamic, static, auto"),
     (["target_devices=[-1]"], "neither a GPU index"),
     (["output_path=~/.cache/gpuctl/tiny-v2/train.jsonl"], "output_path must not be prompts_path"),
 ])
