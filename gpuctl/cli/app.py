@@ -222,14 +222,15 @@ def _watch(out: Output, fetch: Callable[[], Any], interval: float) -> None:
 @app.command()
 @with_address
 def plot(flags: AddressFlags, out: Output, stats: ssh.Stats, output: PlotOutput, run: RunOpt = None) -> int:
-    """Draw a run's loss and tokens/s against step (with the runs it resumed) into an image."""
+    """Draw a run's loss, tokens/s and τ against step (with the runs it resumed) into an image."""
     from gpuctl.ui import plot as plotting  # matplotlib only when asked for
 
     plotting.check_output(output)
     with commands.connected(resolve_address(flags), stats) as ct:
         history = commands.metrics_history(ct, parse_run_ref(run))
-    points = plotting.draw(history, output)
-    out.message(f"wrote {output} ({points} points of {history.runs[-1].run_id})")
+    points, taus = plotting.draw(history, output)
+    evaluated = f", τ at {taus} evaluations" if taus else ""
+    out.message(f"wrote {output} ({points} points of {history.runs[-1].run_id}{evaluated})")
     return ExitCode.OK
 
 

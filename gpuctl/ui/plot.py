@@ -1,4 +1,5 @@
-"""`gpuctl plot`: a run's loss and tokens/s against step, drawn with matplotlib (the optional extra `plot`).
+"""`gpuctl plot`: a run's loss and tokens/s against step, and its acceptance length τ on the held-out prompts
+where the trainer evaluated it, drawn with matplotlib (the optional extra `plot`).
 
 A resumed run is drawn with the runs it continued, a dashed line where each resumed run took over (the
 metrics are fetched over SSH; the figure is drawn here).
@@ -31,8 +32,8 @@ def series(history: MetricsHistory, key: str) -> tuple[list[int], list[float]]:
     return [s for s, _ in points], [v for _, v in points]
 
 
-def draw(history: MetricsHistory, path: Path) -> int:
-    """Write the figure; returns the number of loss points drawn."""
+def draw(history: MetricsHistory, path: Path) -> tuple[int, int]:
+    """Write the figure; returns the number of loss points and of τ points drawn."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # no pyplot: no global state, no display
     from matplotlib.figure import Figure
 
@@ -41,15 +42,20 @@ def draw(history: MetricsHistory, path: Path) -> int:
         latest = history.runs[-1].run_id if history.runs else "the run"
         raise GpuctlError(f"{latest} has no loss in its metrics yet: nothing to plot", ExitCode.RUN_FAILED)
     rate_steps, rates = series(history, "tokens_per_s")
-    figure = Figure(figsize=(8, 5.5), dpi=100, layout="constrained")
+    tau_steps, taus = series(history, "acceptance_length")
+    figure = Figure(figsize=(8, 7.5 if taus else 5.5), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)
-    loss_ax, rate_ax = figure.subplots(2, 1, sharex=True)
+    axes = figure.subplots(3 if taus else 2, 1, sharex=True)
+    loss_ax, rate_ax = axes[0], axes[-1]
     loss_ax.plot(steps, losses, marker="." if len(steps) < 60 else None, color="tab:blue")
     loss_ax.set_ylabel("loss")
     rate_ax.plot(rate_steps, rates, marker="." if len(rate_steps) < 60 else None, color="tab:green")
     rate_ax.set_ylabel("tokens/s")
     rate_ax.set_xlabel("step")
-    for ax in (loss_ax, rate_ax):
+    if taus:
+        axes[1].plot(tau_steps, taus, marker=".", color="tab:red")
+        axes[1].set_ylabel("τ (held-out)")
+    for ax in axes:
         ax.grid(True, alpha=0.3)
         for step in history.resumed_at:
             ax.axvline(step, color="gray", linestyle="--", linewidth=1)
@@ -62,4 +68,4 @@ def draw(history: MetricsHistory, path: Path) -> int:
     config = latest.record.get("config", "?")
     figure.suptitle(f"{runs}  ({config}; step {steps[-1]}" + (f" of {total})" if total else ")"))
     figure.savefig(path)
-    return len(steps)
+    return len(steps), len(taus)

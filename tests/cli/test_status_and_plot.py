@@ -56,6 +56,24 @@ def test_status_sparkline_and_plot(gpuctl, tmp_path):
     assert gpuctl("plot", "-o", str(tmp_path / "x.jpg")).code == 2
 
 
+def test_plot_draws_tau_where_the_trainer_evaluated(tmp_path):
+    """A run whose metrics carry acceptance lengths gets a τ panel with one point per evaluation."""
+    from gpuctl.commands.status import MetricsHistory
+    from gpuctl.runs import Run
+    from gpuctl.ui.plot import draw
+
+    records = [{"step": s, "loss": 10 / s, "tokens_per_s": 1000.0, **({"acceptance_length": 1 + s / 50}
+                                                                       if s % 50 == 0 else {})}
+               for s in range(10, 201, 10)]
+    history = MetricsHistory([Run(1, {"config": "smollm2-135m"}, alive=False)], records, [])
+    with_tau, without = tmp_path / "tau.png", tmp_path / "plain.png"
+    assert draw(history, with_tau) == (20, 4)
+    assert draw(MetricsHistory(history.runs, [{k: v for k, v in r.items() if k != "acceptance_length"}
+                                              for r in records], []), without) == (20, 0)
+    from matplotlib.image import imread
+    assert imread(with_tau).shape[0] > imread(without).shape[0]  # the third panel makes the figure taller
+
+
 def test_plot_without_matplotlib_is_one_clear_line(gpuctl, tmp_path):
     hide = "import sys; sys.modules['matplotlib'] = None; from gpuctl.cli import main; main()"
     result = subprocess.run([sys.executable, "-c", hide, "plot", "-o", str(tmp_path / "x.png")], cwd=REPO,
