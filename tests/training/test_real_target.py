@@ -199,6 +199,9 @@ def test_acceptance_refuses_bad_input_in_one_line(smollm2, smollm2_run, tmp_path
     (other / "config.json").write_text(json.dumps({**config, "hidden_size": 960}))
     assert "hidden size 960; this target's is 576" in run("--export", str(other), "--target", str(smollm2),
                                                           "--prompts", str(prompts))
+    assert "no installed package of that name" in run("--export", str(smollm2_run / "export"), "--target",
+                                                       str(tmp_path / "new-target"), "--target-gguf",
+                                                       "no-such-package", "--prompts", str(prompts))
     assert "no prompt file" in run("--export", str(smollm2_run / "export"), "--target", str(smollm2),
                                    "--prompts", str(tmp_path / "missing.jsonl"))
     (tmp_path / "bad.jsonl").write_text("{not json\n")
