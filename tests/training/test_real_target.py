@@ -210,3 +210,36 @@ def test_acceptance_refuses_bad_input_in_one_line(smollm2, smollm2_run, tmp_path
     monkeypatch.setitem(sys.modules, "dflash.model", None)  # as if the reference were not installed
     assert "pip install --no-deps dflash==0.1.0" in run("--export", str(smollm2_run / "export"), "--target",
                                                         str(smollm2), "--prompts", str(prompts))
+
+
+def test_the_real_target_bench_trains_splits_and_joins_its_export(smollm2, chats, tmp_path):
+    """bench/real_target.py's train verb on the CPU (two steps): its table, its metrics, and the export in
+    parts of at most 15 MiB that `join` puts back byte for byte; `report` draws τ against steps."""
+    import subprocess
+
+    bench = [sys.executable, str(Path(__file__).resolve().parents[2] / "bench" / "real_target.py")]
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    (work / "target").symlink_to(smollm2)
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"set": "chat", "messages": [{"role": "user", "content": "Name a colour."}]}) + "\n")
+    small = [a for s in SMALL_RUN if not s.startswith(("devices=", "eval_prompts=", "save_every="))
+             for a in ("--set", s)]
+    result = subprocess.run(bench + ["train", "--work", str(work), "--data", str(chats), "--chat", str(chat),
+                                     "--steps", "2", "--eval-every", "1", "--eval-prompts", "1", "--device", "cpu",
+                                     "--name", "smoke", "--out", str(out), *small],
+                            capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    summary = json.loads((out / "smoke.json").read_text())
+    assert summary["steps"] == 2 and [s for s, _ in summary["tau_by_step"]] == [0, 1, 2]
+    parts = sorted((out / "smoke-export").iterdir())
+    assert parts and all(p.stat().st_size <= 15 * 2**20 for p in parts)
+    assert subprocess.run(bench + ["join", str(out / "smoke-export"), str(tmp_path / "joined")], check=False,
+                          capture_output=True).returncode == 0
+    export = work / "runs-smoke" / "smoke" / "export"
+    for name in ("config.json", "model.safetensors"):
+        assert (tmp_path / "joined" / name).read_bytes() == (export / name).read_bytes()
+    report = subprocess.run(bench + ["report", str(out), "--plot", str(tmp_path / "tau.png")], check=False,
+                            capture_output=True, text=True)
+    assert report.returncode == 0 and "smoke: tau by step 0: 1.00" in report.stdout
+    assert (tmp_path / "tau.png").stat().st_size > 10_000
