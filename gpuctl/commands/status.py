@@ -9,7 +9,7 @@ from typing import Any
 from gpuctl.commands.session import inspect
 from gpuctl.errors import ExitCode, GpuctlError
 from gpuctl.remote.container import Container, ContainerNotRunning
-from gpuctl.remote.protocol import MetricsChain
+from gpuctl.remote.protocol import TAIL_BYTES, MetricsChain
 from gpuctl.runs import Run, parse_metrics_lines
 
 LOSS_HISTORY_POINTS = 60  # losses `status` fetches for its sparkline
@@ -79,16 +79,21 @@ def status(ct: Container, run_number: int = 0, last_line: bool = False) -> Statu
     history = parse_metrics_lines(inspection.histories.get(run.number, b"")) if run else []
     by_step = {r["step"]: r["loss"] for r in history if isinstance(r.get("loss"), (int, float))}  # last line twice
     losses = [by_step[step] for step in sorted(by_step)]
-    tail = inspection.tails.get(run.number, b"").decode(errors="replace").strip() if run else ""
+    tail = inspection.tails.get(run.number, b"") if run else b""
+    line = shown_line(tail.decode(errors="replace").strip(), cut=len(tail) >= TAIL_BYTES)
     return StatusReport(ctid=ct.ctid, host=ct.host, container_status="running", run=run,
-                        gpus=parse_gpus(inspection.gpus_csv), losses=losses, last_line=shown_line(tail) or None,
+                        gpus=parse_gpus(inspection.gpus_csv), losses=losses, last_line=line or None,
                         gpus_error=inspection.gpus_error)
 
 
-def shown_line(tail: str) -> str:
-    """A log's last line as a terminal shows it: what follows its last carriage return (progress bars)."""
-    lines = [line for line in tail.splitlines() if line.strip()]  # splitlines splits at "\r" too
-    return lines[-1].strip() if lines else ""
+def shown_line(tail: str, cut: bool) -> str:
+    """A log's last line, exactly, when the container's bounded tail holds all of it; when the bound cut it (a
+    trainer's progress bars and no newline for megabytes), what follows its last carriage return: the bar a
+    terminal shows, not the bound's worth of bars before it."""
+    if not cut:
+        return tail
+    bars = [bar for bar in tail.split("\r") if bar.strip()]
+    return bars[-1].strip() if bars else ""
 
 
 def list_runs(ct: Container) -> list[Run]:
