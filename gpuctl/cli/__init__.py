@@ -48,7 +48,8 @@ def run(argv: list[str] | None = None, out: Output | None = None) -> int:
         return int(command.main(args=argv, prog_name="gpuctl", standalone_mode=False,
                                 obj=Invocation(out, stats)) or 0)
     except GpuctlError as e:
-        out.error(str(e))
+        # An interrupt the user asked for (Ctrl-C in logs -f, status --watch) is said, not reported as an error.
+        (out.message if e.code == ExitCode.INTERRUPTED else out.error)(str(e))
         return int(e.code)
     except NoArgsIsHelp as e:
         out.write(e.ctx.get_help() + "\n")
@@ -58,7 +59,7 @@ def run(argv: list[str] | None = None, out: Output | None = None) -> int:
         out.error(f"{e.format_message()} (see {where})")
         return int(ExitCode.USAGE)
     except (KeyboardInterrupt, typer.Abort):
-        out.error("interrupted")
+        out.message("interrupted")
         return int(ExitCode.INTERRUPTED)
     except BrokenPipeError:
         # The reader went away (gpuctl logs | head): not an error of ours.

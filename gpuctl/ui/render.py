@@ -176,14 +176,22 @@ def status_report(out: Output, report: StatusReport | ClusterStatus, as_json: bo
 
 def watch_status(out: Output, fetch: Callable[[], RenderableType], interval: float) -> None:
     """Refresh the status (fetch() draws it) in place every `interval` seconds until Ctrl-C (KeyboardInterrupt
-    goes to the caller)."""
+    goes to the caller). Not to a terminal (a pipe, a file): each refresh is printed, a block after the last."""
     console = out.console(stderr=False)
+
+    def frame() -> Group:
+        footer = Text(f"every {interval:g} s, last {datetime.now().strftime('%H:%M:%S')}; Ctrl-C stops",
+                      style="dim")
+        return Group(fetch(), footer)
+
+    if not console.is_terminal:
+        while True:
+            console.print(frame())
+            console.file.flush()
+            time.sleep(interval)
     with Live(console=console, auto_refresh=False, redirect_stderr=False) as live:
         while True:
-            shown = fetch()
-            footer = Text(f"every {interval:g} s, last {datetime.now().strftime('%H:%M:%S')}; Ctrl-C stops",
-                          style="dim")
-            live.update(Group(shown, footer), refresh=True)
+            live.update(frame(), refresh=True)
             time.sleep(interval)
 
 

@@ -226,6 +226,7 @@ def test_ctrl_c_detaches_from_follow_and_leaves_the_run(gpuctl):
     _, err = follower.communicate(timeout=20)
     assert follower.returncode == 130
     assert "detached" in err and "Traceback" not in err
+    assert err == "gpuctl: detached; the run goes on (gpuctl logs -f follows it again)\n", err  # not an error
     assert gpuctl.status()["state"] == "running"
     assert gpuctl("kill", "--grace", "5").code == 0
 
