@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import typer
 
 from gpuctl import __version__, commands
-from gpuctl.address import AddressFlags, remember
+from gpuctl.address import AddressFlags, config_warnings, remember
 from gpuctl.address import resolve as resolve_address
 from gpuctl.cli.options import (
     ADDRESS_PARAMS,
@@ -110,6 +110,8 @@ def with_address(func: Callable) -> Callable:
     @functools.wraps(func)
     def command(ctx: typer.Context, **kwargs):
         flags = AddressFlags(**{p.name: kwargs.pop(p.name) for p in added})
+        for line in config_warnings():
+            ctx.obj.out.message(line)
         return func(flags=flags, out=ctx.obj.out, stats=ctx.obj.stats, **kwargs)
 
     params = [context, *added[:1], *own, *added[1:]]

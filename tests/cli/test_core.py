@@ -79,6 +79,22 @@ def test_broken_config_file_is_a_usage_error(xdg):
     assert e.value.code == ExitCode.USAGE
 
 
+def test_an_unknown_config_key_is_one_warning_naming_the_nearest(xdg, capsys):
+    from gpuctl import cli
+
+    write_config(xdg, 'host = "h"\nct = 200\nhots = "typo"\n[profiles.a]\nct = 201\n')
+    assert cli.run(["launch", "--dry-run"]) == ExitCode.OK
+    captured = capsys.readouterr()
+    said = " ".join(captured.err.split())  # (Rich wraps a long message)
+    assert said == (f"gpuctl: warning: {xdg}/config/gpuctl/config.toml: unknown key 'hots' is ignored "
+                    "(did you mean 'host'?)")
+    assert "pct exec 200 -- /bin/bash -s" in captured.out  # the rest of the file still counts
+    (xdg / "config" / "gpuctl" / "config.toml").write_text('host = "h"\nct = 200\nzzz = 1\n')
+    assert cli.run(["launch", "--dry-run"]) == ExitCode.OK
+    said = " ".join(capsys.readouterr().err.split())
+    assert said.count("gpuctl: ") == 1 and "unknown key 'zzz' is ignored (known keys: clusters, connect_timeout" in said
+
+
 def test_scripts_quote_every_value_and_refuse_missing_ones():
     rendered = scripts.render("run.sh", stage_dir="/root/gpuctl", workdir="/w d", python="py",
                               module="training.train", config="a'b", sets=["k=$(x)"], resume=False, takes_resume=True,
