@@ -21,7 +21,7 @@ from gpuctl.commands.session import BOUND_S, Notify, Progress, connected
 from gpuctl.commands.status import Gpu, parse_gpus
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
 from gpuctl.remote import scripts, ssh
-from gpuctl.remote.container import INTERPRETER_FILE, STAGE_DIR, Container
+from gpuctl.remote.container import INTERPRETER_FILE, STAGE_DIR, Container, ContainerNotRunning
 from gpuctl.remote.protocol import DoctorReply, LaunchReply
 from gpuctl.remote.ssh import ConnectionLost
 from gpuctl.requirements import (
@@ -110,8 +110,9 @@ def examine(ct: Container, python: str | None) -> DoctorReport:
         if e.code == ExitCode.HOST:  # the host has no pct
             checks.append(Check("pct", FAIL, str(e), "run gpuctl against the Proxmox VE host itself"))
         elif e.code == ExitCode.CONTAINER:
-            checks += [Check("pct", OK, "present"),
-                       Check("container", FAIL, str(e), f"pct start {ct.ctid} on the host, or the right --ct")]
+            fix = (f"pct start {ct.ctid} on the host, or the right --ct" if isinstance(e, ContainerNotRunning)
+                   else "the right --ct (pct list on the host shows its containers)")  # no such container
+            checks += [Check("pct", OK, "present"), Check("container", FAIL, str(e), fix)]
         else:
             raise
         return DoctorReport(ct.ctid, ct.host, checks, error=str(e), code=e.code)
