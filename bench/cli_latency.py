@@ -1,6 +1,6 @@
 """gpuctl's latency on the stand-in Proxmox host (real sshd on loopback), and the remote commands each issues.
 
-    python bench/cli_latency.py [--runs N]
+    python bench/cli_latency.py [--runs N] [--startup]
 
 For launch (to verified-running, with the fake trainer so the trainer's own start-up is excluded; into a fresh
 container, which gets the whole package, and again, when nothing changed and no file travels), status and
@@ -8,6 +8,10 @@ container, which gets the whole package, and again, when nothing changed and no 
 start-up), the median wall time of the whole CLI process, the number of SSH round trips (remote commands) and
 the file bytes the SSH layer sent.
 Aim (issue 2): launch <= 1.5 s, status <= 0.5 s on loopback.
+
+--startup: only the start-up table (issue 29): the median wall time of `gpuctl --version`, `--help` and `status`
+(on the stand-in, one running fake run) as whole processes of this interpreter (`python -m gpuctl`: no pyenv shim
+in between), beside a bare interpreter's start. Aim: --version <= 0.15 s, --help <= 0.25 s, status <= 0.5 s.
 """
 
 from __future__ import annotations
@@ -63,9 +67,38 @@ def timed_cli(args: list[str], env: dict[str, str], runs: int, after=None) -> fl
     return statistics.median(seconds)
 
 
+def startup_table(host: StandInHost, env: dict[str, str], flags: address.AddressFlags, runs: int) -> None:
+    """Median wall seconds of whole gpuctl processes that connect to nothing (--version, --help) and of status."""
+    os.environ.update(host.env(CTID))  # the stand-in's schema, with the fake trainer's keys
+    scope = commands.resolve(flags)
+    with scope.connected(None):
+        scope.launch(scope.checked(commands.LaunchOptions(python="fake-trainer", sets=FAKE)), notify=print,
+                     progress=None)
+    rows = [("python -c pass (the interpreter alone)", timed_python(["-c", "pass"], env, runs))]
+    for args in (["--version"], ["--help"], ["status"]):
+        rows.append((f"gpuctl {' '.join(args)}", timed_cli(args, env, runs)))
+    rows.append(("python -c 'import gpuctl.cli'", timed_python(["-c", "import gpuctl.cli"], env, runs)))
+    with scope.connected(None):
+        scope.kill(0, "KILL", grace=5, notify=print)
+    print(f"gpuctl start-up ({sys.executable} -m gpuctl), median of {runs} runs each")
+    print(f"{'command':<40} {'wall':>8}")
+    for name, seconds in rows:
+        print(f"{name:<40} {seconds:>6.3f} s")
+
+
+def timed_python(args: list[str], env: dict[str, str], runs: int) -> float:
+    seconds = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, *args], cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--startup", action="store_true", help="only the start-up table (issue 29)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="gpuctl-bench-") as tmp:
         home = Path(tmp) / "home"
@@ -77,6 +110,9 @@ def main() -> None:
             env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUCTL_", "SSH_"))}
             env.update(PYTHONPATH=str(REPO), **host.env(CTID))
             flags = address.AddressFlags(host=ALIAS, ct=CTID, ssh_config=str(host.ssh_config))
+            if args.startup:
+                startup_table(host, env, flags, args.runs)
+                return
             options = commands.LaunchOptions(python="fake-trainer", sets=FAKE)
 
             def stop_run(_) -> None:

@@ -20,6 +20,7 @@ from gpuctl.commands.options import check_python
 from gpuctl.commands.session import BOUND_S, Notify, Progress, connected
 from gpuctl.commands.status import Gpu, parse_gpus
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
+from gpuctl.paths import DEFAULT_VENV
 from gpuctl.remote import scripts, ssh
 from gpuctl.remote.container import INTERPRETER_FILE, STAGE_DIR, Container, ContainerNotRunning
 from gpuctl.remote.protocol import DoctorReply, LaunchReply
@@ -310,7 +311,6 @@ def _compile_cache_check(cache: int | None, error: str = "") -> Check:
 
 # setup ----------------------------------------------------------------------------------------------------
 
-DEFAULT_VENV = f"{STAGE_DIR}/venv"
 # The environment's directory: its interpreter's path is recorded as one line and read back by a plain pattern
 # (lib.sh's resolve_python), and pip's scripts need a shebang without spaces.
 VENV_PATH = re.compile(r"^/[A-Za-z0-9._+@/-]+$")

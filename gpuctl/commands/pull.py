@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from gpuctl.commands.options import PullWhat
 from gpuctl.commands.session import Notify, Tracker
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
 from gpuctl.remote import transfer
@@ -26,13 +26,6 @@ from gpuctl.runs import Run
 
 # How long pull.sh waits for gpuctl's request: gpuctl first hashes what it has of the files (GBs, maybe).
 PULL_REQUEST_S = 600.0
-
-
-class PullWhat(str, Enum):
-    EXPORT = "export"
-    CHECKPOINT = "checkpoint"
-    METRICS = "metrics"
-    DATA = "data"  # a regenerate run's output file
 
 
 @dataclass

@@ -13,14 +13,11 @@ from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_expo
 
 from gpuctl.address import Address
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
+from gpuctl.paths import INTERPRETER_FILE, RECORDS_DIR, STAGE_DIR  # noqa: F401 (the container's layout, here too)
 from gpuctl.remote import scripts, ssh
 from gpuctl.remote.protocol import ScriptExit, stderr_messages
 from gpuctl.remote.ssh import Completed, ConnectionLost, RemoteCommand, Session, Unreachable
 
-RECORDS_DIR = "/workspace/.gpuctl"
-STAGE_DIR = "/root/gpuctl"
-# The interpreter `gpuctl setup` made (one line, its path): launch and doctor use it when --python is not given.
-INTERPRETER_FILE = f"{STAGE_DIR}/interpreter"
 PROBE_S = ssh.env_seconds("GPUCTL_PROBE_TIMEOUT", 10)  # a container-side probe (nvidia-smi, du) answers within it
 PCT_MISSING = re.compile(r"Configuration file '\S+/lxc/(\d+)\.conf' does not exist")
 PCT_NOT_RUNNING = re.compile(r"container '(\d+)' not running")
