@@ -20,9 +20,9 @@ from gpuctl.commands.options import check_python
 from gpuctl.commands.session import BOUND_S, Notify, Progress, connected
 from gpuctl.commands.status import Gpu, parse_gpus
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
-from gpuctl.paths import DEFAULT_VENV
+from gpuctl.paths import DEFAULT_VENV, INTERPRETER_FILE, STAGE_DIR
 from gpuctl.remote import scripts, ssh
-from gpuctl.remote.container import INTERPRETER_FILE, STAGE_DIR, Container, ContainerNotRunning
+from gpuctl.remote.container import Container, ContainerNotRunning
 from gpuctl.remote.protocol import DoctorReply, LaunchReply
 from gpuctl.remote.ssh import ConnectionLost
 from gpuctl.requirements import (

@@ -13,8 +13,9 @@ from gpuctl.commands.detached import LaunchResult
 from gpuctl.commands.options import TASK_MODULES, LaunchOptions, LaunchTask, check_env, completed
 from gpuctl.commands.resume import resuming
 from gpuctl.commands.session import Notify, Progress
+from gpuctl.paths import INTERPRETER_FILE, STAGE_DIR
 from gpuctl.remote import scripts
-from gpuctl.remote.container import INTERPRETER_FILE, STAGE_DIR, Container
+from gpuctl.remote.container import Container
 from gpuctl.remote.protocol import LaunchReply
 from gpuctl.staging import Package, PackageFile, build_package, file_from_bytes
 

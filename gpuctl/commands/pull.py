@@ -11,8 +11,9 @@ from typing import Any
 from gpuctl.commands.options import PullWhat
 from gpuctl.commands.session import Notify, Tracker
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
+from gpuctl.paths import STAGE_DIR
 from gpuctl.remote import transfer
-from gpuctl.remote.container import STAGE_DIR, Container
+from gpuctl.remote.container import Container
 from gpuctl.remote.protocol import (
     PULL_LOCATED,
     PULL_WAITING,

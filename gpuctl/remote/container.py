@@ -9,11 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
-
 from gpuctl.address import Address
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
-from gpuctl.paths import INTERPRETER_FILE, RECORDS_DIR, STAGE_DIR  # noqa: F401 (the container's layout, here too)
+from gpuctl.paths import RECORDS_DIR
 from gpuctl.remote import scripts, ssh
 from gpuctl.remote.protocol import ScriptExit, stderr_messages
 from gpuctl.remote.ssh import Completed, ConnectionLost, RemoteCommand, Session, Unreachable
@@ -92,6 +90,9 @@ class Container:
 
     def reconnect(self, within_s: float) -> None:
         """A new connection in place of a lost one, retried with backoff for up to within_s seconds."""
+        # tenacity (and asyncio, which it imports) only for a reconnect: not at every start of gpuctl
+        from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
+
         self.session.close()
 
         @retry(stop=stop_after_delay(within_s), wait=wait_exponential(multiplier=0.1, max=2.0),
