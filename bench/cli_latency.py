@@ -85,6 +85,13 @@ def startup_table(host: StandInHost, env: dict[str, str], flags: address.Address
     rows.append(("python -c 'import gpuctl.cli'", ["-c", "import gpuctl.cli"]))
     timed = [(name, timed_python(args, cached, runs, warm_up=True), timed_python(args, compiled, runs))
              for name, args in rows]
+    work = []  # status's own work, in this process: connect, the one remote command, the report
+    for _ in range(runs):
+        start = time.perf_counter()
+        with commands.resolve(flags).connected(None) as one:
+            one.status(0)
+        work.append(time.perf_counter() - start)
+    timed.append(("(status's work in-process: connect + remote)", statistics.median(work), float("nan")))
     with scope.connected(None):
         scope.kill(0, "KILL", grace=5, notify=print)
     print(f"gpuctl start-up ({sys.executable}), median of {runs} runs each; load average "
