@@ -30,6 +30,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from gpuctl import address, commands
+from gpuctl.commands.kill import kill as kill_run
+from gpuctl.commands.launch import launch as launch_run
+from gpuctl.commands.status import status as status_of
 from tests.sandbox import ALIAS, StandInHost
 
 CTID = 200
@@ -133,7 +136,7 @@ def main() -> None:
 
             def stop_run(_) -> None:
                 with commands.connected(address.resolve(flags)) as ct:
-                    commands.kill(ct, 0, "KILL", grace=5, notify=lambda _: None)
+                    kill_run(ct, 0, "KILL", grace=5, notify=lambda _: None)
 
             rows = []
 
@@ -143,21 +146,21 @@ def main() -> None:
 
             def stop_that_run(t) -> None:
                 with commands.connected(t) as ct:
-                    commands.kill(ct, 0, "KILL", grace=5, notify=lambda _: None)
+                    kill_run(ct, 0, "KILL", grace=5, notify=lambda _: None)
 
-            first = timed_in_process(lambda ct, t: commands.launch(ct, t, options, notify=lambda _: None),
+            first = timed_in_process(lambda ct, t: launch_run(ct, t, options, notify=lambda _: None),
                                      fresh_container, args.runs, after=stop_that_run)
             rows.append(("launch, first (whole package)", first, None))
-            launch = timed_in_process(lambda ct, t: commands.launch(ct, t, options, notify=lambda _: None), flags,
+            launch = timed_in_process(lambda ct, t: launch_run(ct, t, options, notify=lambda _: None), flags,
                                       args.runs, after=stop_run)
             sets = [arg for item in FAKE for arg in ("--set", item)]
             launch_cli = timed_cli(["launch", "--python", "fake-trainer", *sets], env, args.runs, after=stop_run)
             rows.append(("launch, again (to verified running)", launch, launch_cli))
             # A running run for status and logs to read.
             with commands.connected(address.resolve(flags)) as ct:
-                commands.launch(ct, address.resolve(flags), options, notify=lambda _: None)
+                launch_run(ct, address.resolve(flags), options, notify=lambda _: None)
             time.sleep(2)  # let the fake trainer write a few dozen log lines and metrics records
-            status = timed_in_process(lambda ct, t: commands.status(ct), flags, args.runs)
+            status = timed_in_process(lambda ct, t: status_of(ct), flags, args.runs)
             rows.append(("status", status, timed_cli(["status"], env, args.runs)))
             logs = timed_in_process(lambda ct, t: commands.print_log(ct, 0, 20, lambda _: None), flags, args.runs)
             rows.append(("logs -n 20", logs, timed_cli(["logs", "-n", "20"], env, args.runs)))
