@@ -100,7 +100,7 @@ class TrainConfig:
     eval_prompts: int = 8
     eval_new_tokens: int = 256
     # Where else the metrics records go, beside the JSON lines (training/reporters.py): any of "tensorboard"
-    # (event files in <output_dir>/tensorboard/), "wandb" and "mlflow" (offline runs in output_dir, unless their
+    # (event files in <output_dir>/tensorboard/), "wandb" and "mlflow" (local runs in output_dir, unless their
     # own environment variables say otherwise). Each needs its package installed; a missing one is exit 2.
     report_to: list[str] = field(default_factory=list)
 

@@ -1,7 +1,7 @@
 """The run's numbers where ML users look, beside the JSON lines gpuctl status reads: `report_to` (the Hugging
 Face Trainer's convention) names them. "tensorboard": event files in <output_dir>/tensorboard/ (offline, nothing
 to sign up for); "wandb": a W&B run in <output_dir>/wandb/, offline unless WANDB_MODE says otherwise; "mlflow":
-an MLflow run in <output_dir>/mlruns/ unless MLFLOW_TRACKING_URI names a server.
+an MLflow run in <output_dir>/mlflow.db (experiment "gpuctl") unless MLFLOW_TRACKING_URI names a server.
 
 Each is checked at the start (check_installed): a package that is missing is one line and exit 2 before any
 model is loaded, not a failure at the first record. Built once on the node that writes the run's files, given
@@ -77,12 +77,21 @@ class MLflow:
         import mlflow
 
         out = Path(config.output_dir).expanduser().resolve()
-        mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI") or (out / "mlruns").as_uri())
+        out.mkdir(parents=True, exist_ok=True)
+        # A local SQLite store (MLflow's file store is deprecated), its artifacts beside it: nothing outside the
+        # run's directory unless MLFLOW_TRACKING_URI names a server.
+        mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{out / 'mlflow.db'}")
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "gpuctl")
+        if mlflow.get_experiment_by_name(name) is None:
+            mlflow.create_experiment(name, artifact_location=(out / "mlruns").as_uri())
+        mlflow.set_experiment(name)
         self.mlflow, self.run = mlflow, mlflow.start_run(run_name=out.name)
         mlflow.log_params({k: str(v)[:500] for k, v in config.to_dict().items()})
 
     def write(self, step: int, values: dict[str, float]) -> None:
-        self.mlflow.log_metrics({k.replace("/", "_"): v for k, v in values.items()}, step=step)
+        # By its id: the records come from the leader drafter's thread, and MLflow's active run is per thread.
+        self.mlflow.log_metrics({k.replace("/", "_"): v for k, v in values.items()}, step=step,
+                                run_id=self.run.info.run_id)
 
     def close(self) -> None:
         self.mlflow.end_run()
