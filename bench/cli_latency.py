@@ -1,6 +1,6 @@
 """gpuctl's latency on the stand-in Proxmox host (real sshd on loopback), and the remote commands each issues.
 
-    python bench/cli_latency.py [--runs N]
+    python bench/cli_latency.py [--runs N] [--startup]
 
 For launch (to verified-running, with the fake trainer so the trainer's own start-up is excluded; into a fresh
 container, which gets the whole package, and again, when nothing changed and no file travels), status and
@@ -8,6 +8,11 @@ container, which gets the whole package, and again, when nothing changed and no 
 start-up), the median wall time of the whole CLI process, the number of SSH round trips (remote commands) and
 the file bytes the SSH layer sent.
 Aim (issue 2): launch <= 1.5 s, status <= 0.5 s on loopback.
+
+--startup: only the start-up table (issue 29): the median wall time of `gpuctl --version`, `--help` and `status`
+(on the stand-in, one running fake run) as whole processes of this interpreter (`python -m gpuctl`: no pyenv shim
+in between), beside a bare interpreter's start; with gpuctl's bytecode cached (as installed) and compiled at each
+start. Aim: --version <= 0.15 s, --help <= 0.25 s, status <= 0.5 s.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from gpuctl import address, commands
+from gpuctl.commands.kill import kill as kill_run
+from gpuctl.commands.launch import launch as launch_run
+from gpuctl.commands.status import status as status_of
 from tests.sandbox import ALIAS, StandInHost
 
 CTID = 200
@@ -63,9 +71,53 @@ def timed_cli(args: list[str], env: dict[str, str], runs: int, after=None) -> fl
     return statistics.median(seconds)
 
 
+def startup_table(host: StandInHost, env: dict[str, str], flags: address.AddressFlags, runs: int,
+                  pycache: Path) -> None:
+    """Median wall seconds of whole gpuctl processes that connect to nothing (--version, --help) and of status:
+    with gpuctl's bytecode cached (as a pip install has it; a warm-up run writes it under `pycache`), and
+    compiled at every start (PYTHONDONTWRITEBYTECODE=1, this sandbox's default for a source checkout)."""
+    os.environ.update(host.env(CTID))  # the stand-in's schema, with the fake trainer's keys
+    scope = commands.resolve(flags)
+    with scope.connected(None):
+        scope.launch(scope.checked(commands.LaunchOptions(python="fake-trainer", sets=FAKE)), notify=print,
+                     progress=None)
+    cached = {k: v for k, v in env.items() if k != "PYTHONDONTWRITEBYTECODE"} | {"PYTHONPYCACHEPREFIX": str(pycache)}
+    compiled = env | {"PYTHONDONTWRITEBYTECODE": "1"}
+    rows = [("python -c pass (the interpreter alone)", ["-c", "pass"])]
+    rows += [(f"gpuctl {' '.join(args)}", ["-m", "gpuctl", *args]) for args in (["--version"], ["--help"], ["status"])]
+    rows.append(("python -c 'import gpuctl.cli'", ["-c", "import gpuctl.cli"]))
+    timed = [(name, timed_python(args, cached, runs, warm_up=True), timed_python(args, compiled, runs))
+             for name, args in rows]
+    work = []  # status's own work, in this process: connect, the one remote command, the report
+    for _ in range(runs):
+        start = time.perf_counter()
+        with commands.resolve(flags).connected(None) as one:
+            one.status(0)
+        work.append(time.perf_counter() - start)
+    timed.append(("(status's work in-process: connect + remote)", statistics.median(work), float("nan")))
+    with scope.connected(None):
+        scope.kill(0, "KILL", grace=5, notify=print)
+    print(f"gpuctl start-up ({sys.executable}), median of {runs} runs each; load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(f"{'command':<40} {'bytecode cached':>16} {'compiled each run':>18}")
+    for name, warm, cold in timed:
+        print(f"{name:<40} {warm:>14.3f} s {cold:>16.3f} s")
+
+
+def timed_python(args: list[str], env: dict[str, str], runs: int, warm_up: bool = False) -> float:
+    seconds = []
+    for i in range(runs + warm_up):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, *args], cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
+        if i or not warm_up:
+            seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--startup", action="store_true", help="only the start-up table (issue 29)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="gpuctl-bench-") as tmp:
         home = Path(tmp) / "home"
@@ -77,11 +129,14 @@ def main() -> None:
             env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUCTL_", "SSH_"))}
             env.update(PYTHONPATH=str(REPO), **host.env(CTID))
             flags = address.AddressFlags(host=ALIAS, ct=CTID, ssh_config=str(host.ssh_config))
+            if args.startup:
+                startup_table(host, env, flags, args.runs, Path(tmp) / "pycache")
+                return
             options = commands.LaunchOptions(python="fake-trainer", sets=FAKE)
 
             def stop_run(_) -> None:
                 with commands.connected(address.resolve(flags)) as ct:
-                    commands.kill(ct, 0, "KILL", grace=5, notify=lambda _: None)
+                    kill_run(ct, 0, "KILL", grace=5, notify=lambda _: None)
 
             rows = []
 
@@ -91,21 +146,21 @@ def main() -> None:
 
             def stop_that_run(t) -> None:
                 with commands.connected(t) as ct:
-                    commands.kill(ct, 0, "KILL", grace=5, notify=lambda _: None)
+                    kill_run(ct, 0, "KILL", grace=5, notify=lambda _: None)
 
-            first = timed_in_process(lambda ct, t: commands.launch(ct, t, options, notify=lambda _: None),
+            first = timed_in_process(lambda ct, t: launch_run(ct, t, options, notify=lambda _: None),
                                      fresh_container, args.runs, after=stop_that_run)
             rows.append(("launch, first (whole package)", first, None))
-            launch = timed_in_process(lambda ct, t: commands.launch(ct, t, options, notify=lambda _: None), flags,
+            launch = timed_in_process(lambda ct, t: launch_run(ct, t, options, notify=lambda _: None), flags,
                                       args.runs, after=stop_run)
             sets = [arg for item in FAKE for arg in ("--set", item)]
             launch_cli = timed_cli(["launch", "--python", "fake-trainer", *sets], env, args.runs, after=stop_run)
             rows.append(("launch, again (to verified running)", launch, launch_cli))
             # A running run for status and logs to read.
             with commands.connected(address.resolve(flags)) as ct:
-                commands.launch(ct, address.resolve(flags), options, notify=lambda _: None)
+                launch_run(ct, address.resolve(flags), options, notify=lambda _: None)
             time.sleep(2)  # let the fake trainer write a few dozen log lines and metrics records
-            status = timed_in_process(lambda ct, t: commands.status(ct), flags, args.runs)
+            status = timed_in_process(lambda ct, t: status_of(ct), flags, args.runs)
             rows.append(("status", status, timed_cli(["status"], env, args.runs)))
             logs = timed_in_process(lambda ct, t: commands.print_log(ct, 0, 20, lambda _: None), flags, args.runs)
             rows.append(("logs -n 20", logs, timed_cli(["logs", "-n", "20"], env, args.runs)))

@@ -141,6 +141,7 @@ def _from_env(env: dict[str, str]) -> dict[str, Any]:
 
 
 CONFIG_KEYS = {"host", "port", "user", "identity", "ct", "ssh_config", "connect_timeout"}
+TOP_KEYS = CONFIG_KEYS | {"profiles", "clusters"}  # what config.toml may hold at its top level
 
 
 def _read_config() -> dict[str, Any]:
@@ -151,6 +152,19 @@ def _read_config() -> dict[str, Any]:
         return tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise usage_error(f"cannot read {path}: {e}")
+
+
+def config_warnings() -> list[str]:
+    """A line for each top-level key of config.toml gpuctl does not know (`hots = 1`), naming the nearest known
+    one: a misspelt key would otherwise be dropped without a word."""
+    import difflib
+
+    lines = []
+    for key in sorted(set(_read_config()) - TOP_KEYS):
+        near = difflib.get_close_matches(key, sorted(TOP_KEYS), n=1)
+        hint = f"did you mean {near[0]!r}?" if near else f"known keys: {', '.join(sorted(TOP_KEYS))}"
+        lines.append(f"warning: {paths.config_file()}: unknown key {key!r} is ignored ({hint})")
+    return lines
 
 
 def _from_config(data: dict[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,6 @@
-"""Where gpuctl keeps things: the XDG state and config dirs, and the bundled templates and trainer."""
+"""Where gpuctl keeps things: the XDG state and config dirs, the bundled templates and trainer, and the
+container's layout (DESIGN §3), a few constants that the command line's help names too (so it needs no SSH
+layer to show them)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,13 @@ import os
 from pathlib import Path
 
 SOURCE_ROOT = Path(__file__).resolve().parent.parent
+
+# In the container.
+RECORDS_DIR = "/workspace/.gpuctl"
+STAGE_DIR = "/root/gpuctl"
+# The interpreter `gpuctl setup` made (one line, its path): launch and doctor use it when --python is not given.
+INTERPRETER_FILE = f"{STAGE_DIR}/interpreter"
+DEFAULT_VENV = f"{STAGE_DIR}/venv"  # where `gpuctl setup` makes its virtual environment
 
 
 def state_dir() -> Path:

@@ -11,6 +11,8 @@ fi
 # The CPU build of torch: a bare 'torch' requirement would pull a multi-GB CUDA build.
 python3 -c 'import torch' 2>/dev/null || python3 -m pip install -q torch==2.13.0
 python3 -m pip install -q '.[train,test,plot,gguf]'
+# TensorBoard's own event reader reads back what report_to = ["tensorboard"] writes (tests/training/test_reporters.py).
+python3 -c 'import tensorboard' 2>/dev/null || python3 -m pip install -q tensorboard
 # The reference DFlash implementation the export is tested against (tests/training/test_export.py). --no-deps:
 # its exact pins (transformers, datasets, requests, ...) would replace ours; dflash.model needs only torch and
 # transformers.

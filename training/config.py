@@ -21,6 +21,7 @@ DTYPES = ("auto", "bfloat16", "float32")
 ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
 ON_CHECKPOINT_ERROR = ("stop", "warn")
 NODE_BACKENDS = ("auto", "nccl", "gloo")
+REPORT_TO = ("tensorboard", "wandb", "mlflow")  # training/reporters.py
 TOML_OPENERS = ("[", "{")  # a --set value starting so is meant as a TOML list or table, never as text
 TOPOLOGY = re.compile(r"^(\d+):(\d+)$")
 RANDOM_TARGETS = ("qwen3-8b", "qwen3-8b-narrow")  # training/random_world.py builds them
@@ -98,6 +99,10 @@ class TrainConfig:
     eval_every: int = 500  # 0 = never; also evaluated before the first step and after the last
     eval_prompts: int = 8
     eval_new_tokens: int = 256
+    # Where else the metrics records go, beside the JSON lines (training/reporters.py): any of "tensorboard"
+    # (event files in <output_dir>/tensorboard/), "wandb" and "mlflow" (local runs in output_dir, unless their
+    # own environment variables say otherwise). Each needs its package installed; a missing one is exit 2.
+    report_to: list[str] = field(default_factory=list)
 
     # Multi-node runs (training/distributed/; WORLD_SIZE > 1 in the environment).
     node_start_timeout_s: float = 120.0  # every node must join within this, else every node stops
@@ -143,6 +148,8 @@ class TrainConfig:
             raise ConfigError(f"the largest length bucket ({buckets[-1]}) is below max_length ({self.max_length})")
         if self.max_length < 2 * self.block_size + 1:
             raise ConfigError(f"max_length ({self.max_length}) must exceed 2 * block_size ({self.block_size})")
+        if set(self.report_to) - set(REPORT_TO):
+            raise ConfigError(f"report_to takes {', '.join(REPORT_TO)}, got {self.report_to}")
         if any(step < 1 for step in self.debug_nan_steps):
             raise ConfigError(f"debug_nan_steps must be step numbers >= 1, got {self.debug_nan_steps}")
         self._check_target_source()

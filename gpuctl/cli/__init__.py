@@ -5,22 +5,29 @@ run() turns every outcome into one exit code (gpuctl.errors.ExitCode) and every 
 stderr, never a traceback (GPUCTL_DEBUG=1 shows it).
 """
 
+from __future__ import annotations
+
 import os
 import sys
+from typing import TYPE_CHECKING
 
-import typer
-
-from gpuctl.cli.app import Invocation, app
+from gpuctl import __version__
 from gpuctl.errors import ExitCode, GpuctlError
-from gpuctl.remote import ssh
 from gpuctl.runs import RUN_REF
-from gpuctl.ui.output import Output
 
-# Newer Typer releases vendor their own click: take its exceptions from the module Typer's own come from.
-click_exceptions = sys.modules[typer.BadParameter.__module__]
-NoArgsIsHelp = getattr(click_exceptions, "NoArgsIsHelpError", ())
+if TYPE_CHECKING:
+    from gpuctl.ui.output import Output
 
 __all__ = ["app", "main", "run"]
+
+
+def __getattr__(name: str):
+    """`app` (the Typer application) is imported when asked for: `gpuctl --version` does without it."""
+    if name == "app":
+        from gpuctl.cli.app import app
+
+        return app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _bare_resume(argv: list[str]) -> list[str]:
@@ -40,17 +47,28 @@ def _bare_resume(argv: list[str]) -> list[str]:
 def run(argv: list[str] | None = None, out: Output | None = None) -> int:
     """Run gpuctl with these arguments, writing through `out` (default: sys.stdout and sys.stderr as they are
     then); return its exit code (tests call this in-process)."""
-    command = typer.main.get_command(app)
     argv = _bare_resume(sys.argv[1:] if argv is None else list(argv))
+    if argv == ["--version"]:  # needs nothing of the rest: answered before Typer is imported
+        (out.stdout if out else sys.stdout).write(f"gpuctl {__version__}\n")
+        return int(ExitCode.OK)
+    import typer
+
+    from gpuctl.cli.app import Invocation, app
+    from gpuctl.ui.output import Output
+
+    # Newer Typer releases vendor their own click: take its exceptions from the module Typer's own come from.
+    click_exceptions = sys.modules[typer.BadParameter.__module__]
+    no_args_is_help = getattr(click_exceptions, "NoArgsIsHelpError", ())
     out = out or Output()
-    stats = ssh.Stats()  # what this invocation's connection costs: its session counts into it
+    invocation = Invocation(out)  # what this invocation's connection costs: its session counts into it
     try:
-        return int(command.main(args=argv, prog_name="gpuctl", standalone_mode=False,
-                                obj=Invocation(out, stats)) or 0)
+        return int(typer.main.get_command(app).main(args=argv, prog_name="gpuctl", standalone_mode=False,
+                                                    obj=invocation) or 0)
     except GpuctlError as e:
-        out.error(str(e))
+        # An interrupt the user asked for (Ctrl-C in logs -f, status --watch) is said, not reported as an error.
+        (out.message if e.code == ExitCode.INTERRUPTED else out.error)(str(e))
         return int(e.code)
-    except NoArgsIsHelp as e:
+    except no_args_is_help as e:
         out.write(e.ctx.get_help() + "\n")
         return int(ExitCode.USAGE)
     except click_exceptions.UsageError as e:
@@ -58,7 +76,7 @@ def run(argv: list[str] | None = None, out: Output | None = None) -> int:
         out.error(f"{e.format_message()} (see {where})")
         return int(ExitCode.USAGE)
     except (KeyboardInterrupt, typer.Abort):
-        out.error("interrupted")
+        out.message("interrupted")
         return int(ExitCode.INTERRUPTED)
     except BrokenPipeError:
         # The reader went away (gpuctl logs | head): not an error of ours.
@@ -70,8 +88,9 @@ def run(argv: list[str] | None = None, out: Output | None = None) -> int:
         out.error(f"internal error: {type(e).__name__}: {e} (GPUCTL_DEBUG=1 shows the traceback)")
         return int(ExitCode.RUN_FAILED)
     finally:
-        if ssh.tracing():
-            print(ssh.trace_line(stats), file=out.stderr)
+        trace = invocation.trace()
+        if trace:
+            print(trace, file=out.stderr)
 
 
 def main() -> None:

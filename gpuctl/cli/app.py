@@ -1,18 +1,21 @@
 """gpuctl's commands: parse (the options are declared in gpuctl.cli.options), make one call into
 gpuctl.commands for the scope resolved once (one container or a node set), render through the invocation's
 Output. Nothing else lives here.
+
+Each command imports what it uses when it runs (the core, Rich, paramiko): `gpuctl --help` and `--version` import
+none of it, and a command only its own part (issue 29: a CLI that starts at once).
 """
 
 import functools
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Annotated, Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from gpuctl import __version__, commands
-from gpuctl.address import AddressFlags, remember
+from gpuctl import __version__
+from gpuctl.address import AddressFlags, config_warnings
 from gpuctl.address import resolve as resolve_address
 from gpuctl.cli.options import (
     ADDRESS_PARAMS,
@@ -57,13 +60,16 @@ from gpuctl.cli.options import (
     WithOptimizer,
     Workdir,
 )
-from gpuctl.commands import doctor
+from gpuctl.commands.options import PullWhat
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
-from gpuctl.remote import ssh
-from gpuctl.remote.container import Container
+from gpuctl.paths import DEFAULT_VENV
 from gpuctl.runs import parse_run_ref, parse_signal
-from gpuctl.ui import render
-from gpuctl.ui.output import Output
+
+if TYPE_CHECKING:
+    from gpuctl.commands.doctor import DoctorReport
+    from gpuctl.remote import ssh
+    from gpuctl.remote.container import Container
+    from gpuctl.ui.output import Output
 
 app = typer.Typer(
     name="gpuctl",
@@ -76,12 +82,29 @@ app = typer.Typer(
 )
 
 
-@dataclass
 class Invocation:
-    """What one invocation's commands share: where they write, and what their connection costs (GPUCTL_TRACE)."""
+    """What one invocation's commands share: where they write, and what their connection costs (GPUCTL_TRACE),
+    made when a command first asks for it (with the SSH layer, which --help never needs)."""
 
-    out: Output
-    stats: ssh.Stats
+    def __init__(self, out: "Output"):
+        self.out = out
+        self._stats: ssh.Stats | None = None
+
+    @property
+    def stats(self) -> "ssh.Stats":
+        if self._stats is None:
+            from gpuctl.remote import ssh
+
+            self._stats = ssh.Stats()
+        return self._stats
+
+    def trace(self) -> str | None:
+        """The GPUCTL_TRACE line of a command that had a connection to count; None otherwise."""
+        if self._stats is None:
+            return None
+        from gpuctl.remote import ssh
+
+        return ssh.trace_line(self._stats) if ssh.tracing() else None
 
 
 def _version(value: bool) -> None:
@@ -110,6 +133,8 @@ def with_address(func: Callable) -> Callable:
     @functools.wraps(func)
     def command(ctx: typer.Context, **kwargs):
         flags = AddressFlags(**{p.name: kwargs.pop(p.name) for p in added})
+        for line in config_warnings():
+            ctx.obj.out.message(line)
         return func(flags=flags, out=ctx.obj.out, stats=ctx.obj.stats, **kwargs)
 
     params = [context, *added[:1], *own, *added[1:]]
@@ -120,7 +145,7 @@ def with_address(func: Callable) -> Callable:
 
 @app.command()
 @with_address
-def launch(flags: AddressFlags, out: Output, stats: ssh.Stats, task: Task = None, config: Config = None,
+def launch(flags: AddressFlags, out: "Output", stats: "ssh.Stats", task: Task = None, config: Config = None,
            set_: Sets = None, python: LaunchPython = None, workdir: Workdir = None, log_dir: LogDir = None,
            keep_compile_cache: KeepCompileCache = False, replace: Replace = False, resume: Resume = None,
            retry: Retry = 0, retry_delay: RetryDelay = 10.0, follow: LaunchFollow = False, dry_run: DryRun = False,
@@ -128,6 +153,9 @@ def launch(flags: AddressFlags, out: Output, stats: ssh.Stats, task: Task = None
            master_addr: MasterAddr = None, master_port: MasterPort = None) -> int:
     """Start a training run (or, with --task regenerate, a data regeneration) in the container, detached; print
     its id, pid and log. With --node (or --cluster), one run across several containers: one trainer each."""
+    from gpuctl import commands
+    from gpuctl.ui import render
+
     if json_ and follow:
         raise usage_error("--json and --follow cannot be combined (the log goes to stdout)")
     if resume is not None and dry_run:
@@ -151,8 +179,11 @@ def launch(flags: AddressFlags, out: Output, stats: ssh.Stats, task: Task = None
     return ExitCode.RUN_FAILED if result.failed else ExitCode.OK
 
 
-def _follow(out: Output, ct: Container, run_number: int, lines: int | None, offset: int | None,
+def _follow(out: "Output", ct: "Container", run_number: int, lines: int | None, offset: int | None,
             raw: bool = False) -> int:
+    from gpuctl import commands
+    from gpuctl.ui import render
+
     log = out.log_writer(raw)
     try:
         run = commands.follow_log(ct, run_number, lines, log.write, offset=offset, notify=out.message)
@@ -165,7 +196,7 @@ def _follow(out: Output, ct: Container, run_number: int, lines: int | None, offs
     return commands.follow_exit_code(run)
 
 
-def _raise_first(errors: list[GpuctlError], out: Output) -> None:
+def _raise_first(errors: list[GpuctlError], out: "Output") -> None:
     """The nodes that failed: a line each after the first, which gpuctl exits with."""
     for error in errors[1:]:
         out.error(str(error))
@@ -175,10 +206,12 @@ def _raise_first(errors: list[GpuctlError], out: Output) -> None:
 
 @app.command()
 @with_address
-def logs(flags: AddressFlags, out: Output, stats: ssh.Stats, run: RunOpt = None, tail: Tail = None,
+def logs(flags: AddressFlags, out: "Output", stats: "ssh.Stats", run: RunOpt = None, tail: Tail = None,
          follow: LogsFollow = False, node: LogNode = None, raw: RawLog = False) -> int:
     """Print a run's log (the latest run's by default); only the log's own lines go to stdout: its bytes as they
     are to a pipe or a file, to a terminal with its control characters made visible (unless --raw)."""
+    from gpuctl import commands
+
     address, number = commands.resolve(flags).log_source(node, parse_run_ref(run))
     with commands.connected(address, stats) as ct:
         if follow:
@@ -193,10 +226,13 @@ def logs(flags: AddressFlags, out: Output, stats: ssh.Stats, run: RunOpt = None,
 
 @app.command()
 @with_address
-def status(flags: AddressFlags, out: Output, stats: ssh.Stats, run: RunOpt = None, watch: Watch = False,
+def status(flags: AddressFlags, out: "Output", stats: "ssh.Stats", run: RunOpt = None, watch: Watch = False,
            interval: Interval = 2.0, json_: JsonOpt = False) -> int:
     """The container, the run (state, pid, log, progress, loss) and the GPUs; exit 4 if the container is not
     running (after showing that)."""
+    from gpuctl import commands
+    from gpuctl.ui import render
+
     if watch and json_:
         raise usage_error("--watch is for a terminal; --json gives one document (run it again to refresh)")
     number = parse_run_ref(run)
@@ -212,7 +248,9 @@ def status(flags: AddressFlags, out: Output, stats: ssh.Stats, run: RunOpt = Non
     return ExitCode.OK
 
 
-def _watch(out: Output, fetch: Callable[[], Any], interval: float) -> None:
+def _watch(out: "Output", fetch: Callable[[], Any], interval: float) -> None:
+    from gpuctl.ui import render
+
     try:
         render.watch_status(out, fetch, interval)
     except KeyboardInterrupt:
@@ -221,8 +259,9 @@ def _watch(out: Output, fetch: Callable[[], Any], interval: float) -> None:
 
 @app.command()
 @with_address
-def plot(flags: AddressFlags, out: Output, stats: ssh.Stats, output: PlotOutput, run: RunOpt = None) -> int:
+def plot(flags: AddressFlags, out: "Output", stats: "ssh.Stats", output: PlotOutput, run: RunOpt = None) -> int:
     """Draw a run's loss, tokens/s and τ against step (with the runs it resumed) into an image."""
+    from gpuctl import commands
     from gpuctl.ui import plot as plotting  # matplotlib only when asked for
 
     plotting.check_output(output)
@@ -236,9 +275,12 @@ def plot(flags: AddressFlags, out: Output, stats: ssh.Stats, output: PlotOutput,
 
 @app.command()
 @with_address
-def runs(flags: AddressFlags, out: Output, stats: ssh.Stats, json_: JsonOpt = False) -> int:
+def runs(flags: AddressFlags, out: "Output", stats: "ssh.Stats", json_: JsonOpt = False) -> int:
     """Every run in the container: id, state, exit code, start, duration, log size (a multi-node run's: every
     node's, each run with its nodes)."""
+    from gpuctl import commands
+    from gpuctl.ui import render
+
     scope = commands.resolve(flags)
     with scope.connected(stats, bound_s=commands.BOUND_S):
         found = scope.runs()
@@ -249,9 +291,12 @@ def runs(flags: AddressFlags, out: Output, stats: ssh.Stats, json_: JsonOpt = Fa
 
 @app.command()
 @with_address
-def kill(flags: AddressFlags, out: Output, stats: ssh.Stats, run: RunOpt = None, signal: Signal = "TERM",
+def kill(flags: AddressFlags, out: "Output", stats: "ssh.Stats", run: RunOpt = None, signal: Signal = "TERM",
          grace: Grace = 30.0) -> int:
     """Signal a run's whole process group, escalate to SIGKILL after --grace, check nothing is left."""
+    from gpuctl import commands
+    from gpuctl.ui import render
+
     number, signal_name = parse_run_ref(run), parse_signal(signal)
     scope = commands.resolve(flags)
     with scope.connected(stats, bound_s=commands.BOUND_S + 2 * grace):  # the grace, then SIGKILL's wait
@@ -263,10 +308,14 @@ def kill(flags: AddressFlags, out: Output, stats: ssh.Stats, run: RunOpt = None,
 
 @app.command()
 @with_address
-def pull(flags: AddressFlags, out: Output, stats: ssh.Stats, dest: Dest = None, run: RunOpt = None,
-         what: What = commands.PullWhat.EXPORT, with_optimizer: WithOptimizer = False, json_: JsonOpt = False) -> int:
+def pull(flags: AddressFlags, out: "Output", stats: "ssh.Stats", dest: Dest = None, run: RunOpt = None,
+         what: What = PullWhat.EXPORT, with_optimizer: WithOptimizer = False, json_: JsonOpt = False) -> int:
     """Copy a run's export, newest checkpoint, metrics or regenerated data to DEST over SSH, every file checked by sha256; an
     interrupted pull leaves nothing at DEST, and running it again continues where it stopped."""
+    from gpuctl import commands
+    from gpuctl.commands import pull as pulling
+    from gpuctl.ui import render
+
     if dest is None:  # one positional argument is DEST, not TARGET
         flags, dest = replace(flags, target=None), flags.target
     if dest is None:
@@ -274,7 +323,7 @@ def pull(flags: AddressFlags, out: Output, stats: ssh.Stats, dest: Dest = None, 
     destination = commands.pull_destination(dest, what, with_optimizer)
     progress = None if json_ else (lambda total: render.TransferProgress(out, total, "pulling"))
     with commands.connected(resolve_address(flags), stats) as ct:
-        result = commands.pull(ct, parse_run_ref(run), what, destination, with_optimizer, notify=out.message,
+        result = pulling.pull(ct, parse_run_ref(run), what, destination, with_optimizer, notify=out.message,
                                progress=progress)
     render.pull_result(out, result, as_json=json_)
     return ExitCode.OK
@@ -282,11 +331,15 @@ def pull(flags: AddressFlags, out: Output, stats: ssh.Stats, dest: Dest = None, 
 
 @app.command("doctor")
 @with_address
-def doctor_command(flags: AddressFlags, out: Output, stats: ssh.Stats, python: DoctorPython = None,
+def doctor_command(flags: AddressFlags, out: "Output", stats: "ssh.Stats", python: DoctorPython = None,
                    json_: JsonOpt = False) -> int:
     """Check that the container can train: host, pct, container, the interpreter launch would use and its
     packages, the GPUs against torch's, CUDA, free space and GPU memory, an active run. Exit 6 when a check
     fails."""
+    from gpuctl import commands
+    from gpuctl.commands import doctor
+    from gpuctl.ui import render
+
     if python is not None:
         commands.check_python(python)
     report = doctor.doctor(resolve_address(flags), stats, python)
@@ -297,12 +350,17 @@ def doctor_command(flags: AddressFlags, out: Output, stats: ssh.Stats, python: D
 
 @app.command("setup")
 @with_address
-def setup_command(flags: AddressFlags, out: Output, stats: ssh.Stats, python: SetupPython = None,
-                  venv: Venv = doctor.DEFAULT_VENV, torch: Torch = None, index_url: IndexUrl = None,
+def setup_command(flags: AddressFlags, out: "Output", stats: "ssh.Stats", python: SetupPython = None,
+                  venv: Venv = DEFAULT_VENV, torch: Torch = None, index_url: IndexUrl = None,
                   system_site_packages: SystemSitePackages = False, dry_run: SetupDryRun = False) -> int:
     """Make the container ready to train: a virtual environment with the trainer's packages (a CUDA build of torch
     for the driver), installed detached like a run (its own log; logs -f, kill, status), then doctor's checks.
     Launch uses that environment from then on."""
+    from gpuctl import commands
+    from gpuctl.address import remember
+    from gpuctl.commands import doctor
+    from gpuctl.ui import render
+
     opts = doctor.check_setup_options(doctor.SetupOptions(
         python=python, venv=venv, torch=torch, index_urls=index_url or [], system_site_packages=system_site_packages))
     address = resolve_address(flags)
@@ -324,7 +382,7 @@ def setup_command(flags: AddressFlags, out: Output, stats: ssh.Stats, python: Se
     return ExitCode.OK
 
 
-def _ready(report: doctor.DoctorReport) -> None:
+def _ready(report: "DoctorReport") -> None:
     """A report whose checks stopped at the host or container (its error), or found a failing check, is the
     exit code."""
     if report.error:

@@ -10,8 +10,8 @@ from typing import Annotated
 
 import typer
 
-from gpuctl.commands import LaunchTask, PullWhat
-from gpuctl.commands.doctor import DEFAULT_VENV
+from gpuctl.commands.options import LaunchTask, PullWhat
+from gpuctl.paths import DEFAULT_VENV
 
 ADDRESS_HELP = "Target options"
 # The target options every command accepts (ARCHITECTURE §2); with_address adds them to each command.

@@ -23,8 +23,9 @@ from gpuctl.address import Address
 from gpuctl.commands.kill import KILL_VERIFY_S, KillResult, kill
 from gpuctl.commands.session import Notify, Progress, inspect
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
+from gpuctl.paths import INTERPRETER_FILE, RECORDS_DIR, STAGE_DIR
 from gpuctl.remote import scripts
-from gpuctl.remote.container import INTERPRETER_FILE, RECORDS_DIR, STAGE_DIR, Container
+from gpuctl.remote.container import Container
 from gpuctl.remote.protocol import (
     LAUNCH_ABORT,
     LAUNCH_WAITING,

@@ -20,8 +20,9 @@ from gpuctl.commands.options import check_python
 from gpuctl.commands.session import BOUND_S, Notify, Progress, connected
 from gpuctl.commands.status import Gpu, parse_gpus
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
+from gpuctl.paths import DEFAULT_VENV, INTERPRETER_FILE, STAGE_DIR
 from gpuctl.remote import scripts, ssh
-from gpuctl.remote.container import INTERPRETER_FILE, STAGE_DIR, Container
+from gpuctl.remote.container import Container, ContainerNotRunning
 from gpuctl.remote.protocol import DoctorReply, LaunchReply
 from gpuctl.remote.ssh import ConnectionLost
 from gpuctl.requirements import (
@@ -110,8 +111,9 @@ def examine(ct: Container, python: str | None) -> DoctorReport:
         if e.code == ExitCode.HOST:  # the host has no pct
             checks.append(Check("pct", FAIL, str(e), "run gpuctl against the Proxmox VE host itself"))
         elif e.code == ExitCode.CONTAINER:
-            checks += [Check("pct", OK, "present"),
-                       Check("container", FAIL, str(e), f"pct start {ct.ctid} on the host, or the right --ct")]
+            fix = (f"pct start {ct.ctid} on the host, or the right --ct" if isinstance(e, ContainerNotRunning)
+                   else "the right --ct (pct list on the host shows its containers)")  # no such container
+            checks += [Check("pct", OK, "present"), Check("container", FAIL, str(e), fix)]
         else:
             raise
         return DoctorReport(ct.ctid, ct.host, checks, error=str(e), code=e.code)
@@ -309,7 +311,6 @@ def _compile_cache_check(cache: int | None, error: str = "") -> Check:
 
 # setup ----------------------------------------------------------------------------------------------------
 
-DEFAULT_VENV = f"{STAGE_DIR}/venv"
 # The environment's directory: its interpreter's path is recorded as one line and read back by a plain pattern
 # (lib.sh's resolve_python), and pip's scripts need a shebang without spaces.
 VENV_PATH = re.compile(r"^/[A-Za-z0-9._+@/-]+$")

@@ -13,8 +13,9 @@ from gpuctl.commands.detached import LaunchResult
 from gpuctl.commands.options import TASK_MODULES, LaunchOptions, LaunchTask, check_env, completed
 from gpuctl.commands.resume import resuming
 from gpuctl.commands.session import Notify, Progress
+from gpuctl.paths import INTERPRETER_FILE, STAGE_DIR
 from gpuctl.remote import scripts
-from gpuctl.remote.container import INTERPRETER_FILE, STAGE_DIR, Container
+from gpuctl.remote.container import Container
 from gpuctl.remote.protocol import LaunchReply
 from gpuctl.staging import Package, PackageFile, build_package, file_from_bytes
 
@@ -58,15 +59,24 @@ def _kept_config(package: Package, opts: LaunchOptions, remote: dict[str, str]) 
 
 
 def plan_launch(address: Address, opts: LaunchOptions) -> str:
-    """What `launch --dry-run` shows: the command, the script, and the package it would stage."""
+    """What `launch --dry-run` shows: a summary (what would be staged, the command, the log), then the script sent
+    to the container and the run.sh it would stage."""
     opts, config_file = completed(opts)
     interpreter = opts.python or f"the one gpuctl setup recorded in {INTERPRETER_FILE}, else python3"
     package = _package(config_file, replace(opts, python=opts.python or "<interpreter>"))
     files = package.files
-    return (detached.shown(address, launch_values(address, opts)) +
-            f"# then, only the files the container lacks of the package ({len(files)} files, {package.size} bytes, "
-            f"sha256 {package.digest[:12]}); {STAGE_DIR}/run.sh will be (<interpreter>: {interpreter}):\n"
-            f"{files['run.sh'].data.decode()}")
+    run_sh = files["run.sh"].data.decode()
+    command = next(line for line in run_sh.splitlines() if line.startswith("exec "))
+    command = command.removeprefix("exec ").removesuffix(' "$@"')
+    tops = sorted({name.split("/")[0] + ("/" if "/" in name else "") for name in files})
+    summary = (f"# gpuctl launch --dry-run: nothing is sent to CT {address.ct} on {address.host}, nothing runs.\n"
+               f"# stage:   {', '.join(tops)} in {STAGE_DIR} ({len(files)} files, {package.size} bytes, sha256 "
+               f"{package.digest[:12]}; only the files the container lacks travel)\n"
+               f"# command: {command}   (in {opts.workdir}; <interpreter>: {interpreter})\n"
+               f"# log:     {opts.log_dir.rstrip('/')}/{opts.task.value}_tlN.log (N: one more than any run there)\n"
+               "# Below: the script sent on stdin, then the run.sh it stages.\n\n")
+    return (summary + detached.shown(address, launch_values(address, opts)) +
+            f"# then {STAGE_DIR}/run.sh will be:\n{run_sh}")
 
 
 def launch(ct: Container, address: Address, opts: LaunchOptions, notify: Notify,

@@ -1,5 +1,6 @@
 """A launch's options: what the command line may ask for, checked once, and a multi-node run's part of them
-(NodeRole). No connection here.
+(NodeRole); what a pull may bring (PullWhat). No connection here, nothing heavy imported: the command line's
+help is built from these.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 from gpuctl.config_schema import check_config
 from gpuctl.errors import usage_error
-from gpuctl.remote.container import STAGE_DIR
+from gpuctl.paths import STAGE_DIR
 
 # The interpreter is not among them: without --python, the container's side takes the one `gpuctl setup`
 # recorded (INTERPRETER_FILE), else python3 (lib.sh's resolve_python).
@@ -24,6 +25,13 @@ class LaunchTask(str, Enum):
 
     TRAIN = "train"  # python -m training.train
     REGENERATE = "regenerate"  # python -m training.regenerate
+
+
+class PullWhat(str, Enum):
+    EXPORT = "export"
+    CHECKPOINT = "checkpoint"
+    METRICS = "metrics"
+    DATA = "data"  # a regenerate run's output file
 
 
 TASK_MODULES = {LaunchTask.TRAIN: "training.train", LaunchTask.REGENERATE: "training.regenerate"}

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from gpuctl.commands.options import PullWhat
 from gpuctl.commands.session import Notify, Tracker
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
+from gpuctl.paths import STAGE_DIR
 from gpuctl.remote import transfer
-from gpuctl.remote.container import STAGE_DIR, Container
+from gpuctl.remote.container import Container
 from gpuctl.remote.protocol import (
     PULL_LOCATED,
     PULL_WAITING,
@@ -26,13 +27,6 @@ from gpuctl.runs import Run
 
 # How long pull.sh waits for gpuctl's request: gpuctl first hashes what it has of the files (GBs, maybe).
 PULL_REQUEST_S = 600.0
-
-
-class PullWhat(str, Enum):
-    EXPORT = "export"
-    CHECKPOINT = "checkpoint"
-    METRICS = "metrics"
-    DATA = "data"  # a regenerate run's output file
 
 
 @dataclass

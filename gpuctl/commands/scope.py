@@ -2,6 +2,9 @@
 
 Both scopes answer the same calls (launch, status, runs, kill, the log to read), so a command makes one call
 whatever the scope: the choice between one and many is made here, in `resolve`, and nowhere above.
+
+What only some commands use (a multi-node run's modules, a launch's, a kill's) is imported by the call that uses
+it: `gpuctl status` of one container imports none of it.
 """
 
 from __future__ import annotations
@@ -9,21 +12,22 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gpuctl.address import Address, AddressFlags, remember, remembered_nodes, resolve_nodes
 from gpuctl.address import resolve as resolve_address
-from gpuctl.commands import nodes as multi
-from gpuctl.commands.detached import LaunchResult
-from gpuctl.commands.fanout import Node
-from gpuctl.commands.fanout import connected as connected_nodes
-from gpuctl.commands.kill import Killed, kill
-from gpuctl.commands.launch import launch, plan_launch
 from gpuctl.commands.options import LaunchOptions, check_launch_options
 from gpuctl.commands.session import Notify, Progress, connected, reconnecting
 from gpuctl.commands.status import ContainerRuns, StatusReport, list_runs, status
 from gpuctl.errors import usage_error
-from gpuctl.remote import ssh
-from gpuctl.remote.container import Container
+
+if TYPE_CHECKING:
+    from gpuctl.commands import nodes as multi
+    from gpuctl.commands.detached import LaunchResult
+    from gpuctl.commands.fanout import Node
+    from gpuctl.commands.kill import Killed
+    from gpuctl.remote import ssh
+    from gpuctl.remote.container import Container
 
 
 @dataclass
@@ -37,6 +41,8 @@ class One:
         return check_launch_options(opts)
 
     def plan_launch(self, opts: LaunchOptions) -> str:
+        from gpuctl.commands.launch import plan_launch
+
         return plan_launch(self.address, opts)
 
     @contextmanager
@@ -50,6 +56,8 @@ class One:
         return self.ct
 
     def launch(self, opts: LaunchOptions, notify: Notify, progress: Progress | None) -> LaunchResult:
+        from gpuctl.commands.launch import launch
+
         return launch(self.ct, self.address, opts, notify=notify, progress=progress)
 
     def remember(self, result: LaunchResult, warn: Notify) -> None:
@@ -66,6 +74,8 @@ class One:
         return ContainerRuns(list_runs(self.ct), self.address.ct, self.address.host)
 
     def kill(self, number: int, signal_name: str, grace: float, notify: Notify) -> Killed:
+        from gpuctl.commands.kill import Killed, kill
+
         return Killed([("", kill(self.ct, number, signal_name, grace, notify=notify))])
 
     def log_source(self, node: int | None, number: int) -> tuple[Address, int]:
@@ -87,15 +97,21 @@ class Nodes:
     nodes: list[Node] = field(default_factory=list)  # while connected
 
     def checked(self, opts: LaunchOptions) -> LaunchOptions:
+        from gpuctl.commands import nodes as multi
+
         opts = check_launch_options(opts)
         multi.check_cluster_options(self.addresses, opts, self.master_addr, self.master_port)
         return opts
 
     def plan_launch(self, opts: LaunchOptions) -> str:
+        from gpuctl.commands import nodes as multi
+
         return multi.plan_launch(self.addresses, opts, self.master_addr, self.master_port)
 
     @contextmanager
     def connected(self, stats: ssh.Stats | None, bound_s: float | None = None) -> Iterator[Nodes]:
+        from gpuctl.commands.fanout import connected as connected_nodes
+
         with connected_nodes(self.addresses, stats, bound_s) as self.nodes:
             yield self
 
@@ -104,18 +120,26 @@ class Nodes:
         return self.nodes[0].ct
 
     def launch(self, opts: LaunchOptions, notify: Notify, progress: Progress | None) -> multi.ClusterLaunch:
+        from gpuctl.commands import nodes as multi
+
         return multi.launch(self.nodes, opts, self.master_addr, self.master_port, notify=notify)
 
     def remember(self, result: multi.ClusterLaunch, warn: Notify) -> None:
         kept(lambda: remember(self.addresses[0], nodes=self.addresses, run=result.number), warn)
 
     def status(self, number: int, reconnect: Notify | None = None) -> multi.ClusterStatus:
+        from gpuctl.commands import nodes as multi
+
         return multi.status(self.nodes, number or self.run)
 
     def runs(self) -> multi.ClusterRuns:
+        from gpuctl.commands import nodes as multi
+
         return multi.list_runs(self.nodes)
 
     def kill(self, number: int, signal_name: str, grace: float, notify: Notify) -> Killed:
+        from gpuctl.commands import nodes as multi
+
         return multi.kill(self.nodes, number or self.run, signal_name, grace, notify=notify)
 
     def log_source(self, node: int | None, number: int) -> tuple[Address, int]:

@@ -9,18 +9,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
-
 from gpuctl.address import Address
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
+from gpuctl.paths import RECORDS_DIR
 from gpuctl.remote import scripts, ssh
 from gpuctl.remote.protocol import ScriptExit, stderr_messages
 from gpuctl.remote.ssh import Completed, ConnectionLost, RemoteCommand, Session, Unreachable
 
-RECORDS_DIR = "/workspace/.gpuctl"
-STAGE_DIR = "/root/gpuctl"
-# The interpreter `gpuctl setup` made (one line, its path): launch and doctor use it when --python is not given.
-INTERPRETER_FILE = f"{STAGE_DIR}/interpreter"
 PROBE_S = ssh.env_seconds("GPUCTL_PROBE_TIMEOUT", 10)  # a container-side probe (nvidia-smi, du) answers within it
 PCT_MISSING = re.compile(r"Configuration file '\S+/lxc/(\d+)\.conf' does not exist")
 PCT_NOT_RUNNING = re.compile(r"container '(\d+)' not running")
@@ -95,6 +90,9 @@ class Container:
 
     def reconnect(self, within_s: float) -> None:
         """A new connection in place of a lost one, retried with backoff for up to within_s seconds."""
+        # tenacity (and asyncio, which it imports) only for a reconnect: not at every start of gpuctl
+        from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
+
         self.session.close()
 
         @retry(stop=stop_after_delay(within_s), wait=wait_exponential(multiplier=0.1, max=2.0),

@@ -44,9 +44,10 @@ class Action(str, Enum):
 class Destination:
     path: Path  # DEST, absolute
     directory: bool  # a directory of files (export, checkpoint), else one file (metrics)
+    into: bool = False  # one file, and DEST was written as a directory (`./regen/`): it goes in, made if need be
 
     def final(self, name: str) -> Path:
-        if self.directory or self.path.is_dir():  # one file into an existing directory keeps its own name
+        if self.directory or self.into or self.path.is_dir():  # one file into a directory keeps its own name
             return self.path / name
         return self.path
 
@@ -56,7 +57,8 @@ def destination(text: str, directory: bool) -> Destination:
     if not text.strip() or "\0" in text:
         raise usage_error("DEST must be a path")
     path = Path(text).expanduser().absolute()
-    if directory and path.exists() and not path.is_dir():
+    into = not directory and text.endswith(("/", os.sep))  # Path() drops the slash that says "a directory"
+    if (directory or into) and path.exists() and not path.is_dir():
         raise usage_error(f"{path} exists and is not a directory (DEST is the directory the files go in)")
     if path.is_dir() and not os.access(path, os.W_OK | os.X_OK):
         raise usage_error(f"cannot write in {path}")
@@ -67,7 +69,7 @@ def destination(text: str, directory: bool) -> Destination:
         raise usage_error(f"{parent} is not a directory, so {path} cannot be created")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise usage_error(f"cannot write in {parent}, so {path} cannot be created")
-    return Destination(path, directory)
+    return Destination(path, directory, into)
 
 
 @dataclass

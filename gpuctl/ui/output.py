@@ -5,20 +5,24 @@ hands in its own streams. Streams not given are sys.stdout and sys.stderr as the
 Nothing a container sends takes over the terminal: every text gpuctl shows (through Rich, message, error,
 log_tail) has its control characters made visible by visible(); a log written to a terminal goes through
 LogView. JSON documents stay exact data (json.dumps escapes control characters as \\u00XX itself).
+
+Rich is imported when something is first shown through it, not with this module (`gpuctl --help` shows nothing
+through it).
 """
 
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 import re
 import sys
 from collections.abc import Iterable
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-from rich.console import Console, ConsoleOptions, RenderableType
-from rich.segment import Segment
-from rich.text import Text
+if TYPE_CHECKING:
+    from rich.console import Console, ConsoleOptions, RenderableType
+    from rich.segment import Segment
 
 # C0 but newline and tab, DEL, and C1 (U+0080-U+009F): what a terminal may act on rather than show.
 CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
@@ -51,22 +55,30 @@ class LogView:
         return visible_log(text[:-1] if self._cr else text)
 
 
-class VisibleConsole(Console):
-    """A Rich console that shows every text segment through visible(): whatever a remote string inside a table
-    or a Text holds (Text itself strips only BEL, BS, VT, FF and CR). Rich's own control segments (cursor moves
-    of a live display) and styles pass; markup is off, so no remote string becomes a style or a link. Only the
-    outermost render is filtered: a table lays its cells out first (an escape makes its line longer, never cut)."""
+@functools.cache
+def visible_console() -> type[Console]:
+    """VisibleConsole, made (with Rich imported) the first time it is asked for."""
+    from rich.console import Console
+    from rich.segment import Segment
 
-    _depth = 0
+    class VisibleConsole(Console):
+        """A Rich console that shows every text segment through visible(): whatever a remote string inside a table
+        or a Text holds (Text itself strips only BEL, BS, VT, FF and CR). Rich's own control segments (cursor moves
+        of a live display) and styles pass; markup is off, so no remote string becomes a style or a link. Only the
+        outermost render is filtered: a table lays its cells out first (an escape makes its line longer, never cut)."""
 
-    def render(self, renderable: Any, options: ConsoleOptions | None = None) -> Iterable[Segment]:
-        self._depth += 1
-        try:
-            for segment in super().render(renderable, options):
-                outermost = self._depth == 1
-                yield segment if segment.control or not outermost else Segment(visible(segment.text), segment.style)
-        finally:
-            self._depth -= 1
+        _depth = 0
+
+        def render(self, renderable: Any, options: ConsoleOptions | None = None) -> Iterable[Segment]:
+            self._depth += 1
+            try:
+                for segment in super().render(renderable, options):
+                    outermost = self._depth == 1
+                    yield segment if segment.control or not outermost else Segment(visible(segment.text), segment.style)
+            finally:
+                self._depth -= 1
+
+    return VisibleConsole
 
 
 class Output:
@@ -85,7 +97,7 @@ class Output:
         """Rich honours NO_COLOR (and FORCE_COLOR, TTY_INTERACTIVE) from the environment by itself."""
         stream = self.stderr if stderr else self.stdout
         # Not a terminal: wide enough that long paths are not wrapped into a pipe.
-        return VisibleConsole(file=stream, stderr=stderr, width=None if stream.isatty() else 160, highlight=False,
+        return visible_console()(file=stream, stderr=stderr, width=None if stream.isatty() else 160, highlight=False,
                               markup=False)
 
     def show(self, renderable: RenderableType | str, stderr: bool = False) -> None:
@@ -93,9 +105,13 @@ class Output:
 
     def message(self, text: str) -> None:
         """A human message: always on stderr."""
+        from rich.text import Text
+
         self.console(stderr=True).print(Text(f"gpuctl: {visible(text)}"))
 
     def error(self, text: str) -> None:
+        from rich.text import Text
+
         self.console(stderr=True).print(Text(f"gpuctl: error: {visible(text)}", style="bold red"), soft_wrap=True)
 
     def json_doc(self, doc: Any) -> None:

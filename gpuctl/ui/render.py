@@ -8,21 +8,24 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 from rich.console import Group, RenderableType
-from rich.live import Live
-from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 from rich.table import Table
 from rich.text import Text
 
-from gpuctl.commands.detached import LaunchResult
-from gpuctl.commands.doctor import DoctorReport
-from gpuctl.commands.kill import Killed, KillResult
-from gpuctl.commands.nodes import ClusterLaunch, ClusterRun, ClusterRuns, ClusterStatus, combined_state
-from gpuctl.commands.pull import PullResult
 from gpuctl.commands.status import ContainerRuns, StatusReport
 from gpuctl.runs import Run, State
 from gpuctl.ui.output import Output, visible
+
+if TYPE_CHECKING:  # the results rendered here; each command's own module comes with the command
+    from rich.progress import Progress
+
+    from gpuctl.commands.detached import LaunchResult
+    from gpuctl.commands.doctor import DoctorReport
+    from gpuctl.commands.kill import Killed, KillResult
+    from gpuctl.commands.nodes import ClusterLaunch, ClusterRun, ClusterRuns, ClusterStatus
+    from gpuctl.commands.pull import PullResult
 
 SPARK = "▁▂▃▄▅▆▇█"
 PROGRESS_AFTER_S = 0.5  # a transfer shows a progress bar only once it has taken this long
@@ -140,7 +143,7 @@ def _retry_text(run: Run) -> str:
 
 
 def status_renderable(report: StatusReport | ClusterStatus) -> RenderableType:
-    if isinstance(report, ClusterStatus):  # a multi-node run: a row per node
+    if not isinstance(report, StatusReport):  # a multi-node run's ClusterStatus: a row per node
         return cluster_status_renderable(report)
     running = report.container_status == "running"
     parts: list[RenderableType] = [Text.assemble(
@@ -176,14 +179,24 @@ def status_report(out: Output, report: StatusReport | ClusterStatus, as_json: bo
 
 def watch_status(out: Output, fetch: Callable[[], RenderableType], interval: float) -> None:
     """Refresh the status (fetch() draws it) in place every `interval` seconds until Ctrl-C (KeyboardInterrupt
-    goes to the caller)."""
+    goes to the caller). Not to a terminal (a pipe, a file): each refresh is printed, a block after the last."""
     console = out.console(stderr=False)
+
+    def frame() -> Group:
+        footer = Text(f"every {interval:g} s, last {datetime.now().strftime('%H:%M:%S')}; Ctrl-C stops",
+                      style="dim")
+        return Group(fetch(), footer)
+
+    if not console.is_terminal:
+        while True:
+            console.print(frame())
+            console.file.flush()
+            time.sleep(interval)
+    from rich.live import Live
+
     with Live(console=console, auto_refresh=False, redirect_stderr=False) as live:
         while True:
-            shown = fetch()
-            footer = Text(f"every {interval:g} s, last {datetime.now().strftime('%H:%M:%S')}; Ctrl-C stops",
-                          style="dim")
-            live.update(Group(shown, footer), refresh=True)
+            live.update(frame(), refresh=True)
             time.sleep(interval)
 
 
@@ -203,6 +216,8 @@ class TransferProgress:
             console = self.out.console(stderr=True)
             if not console.is_terminal:
                 return
+            from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
             self._bar = Progress("{task.description}", BarColumn(), DownloadColumn(binary_units=True),
                                  TransferSpeedColumn(),
                                  console=console, transient=True)
@@ -330,6 +345,8 @@ def cluster_launch(out: Output, result: ClusterLaunch, as_json: bool, to_stderr:
     first = result.results[0].run
     if as_json:
         states = [(node, r.run, None) for node, r in zip(result.nodes, result.results)]
+        from gpuctl.commands.nodes import combined_state
+
         state, reason = combined_state(states)
         out.json_doc(dict(first.to_json(), state=state.value if state else None, reason=reason,
                       master_addr=result.master_addr, master_port=result.master_port, world_size=len(result.nodes),
@@ -393,14 +410,16 @@ def cluster_runs(out: Output, runs: list[ClusterRun], as_json: bool) -> None:
 
 def launched(out: Output, result: LaunchResult | ClusterLaunch, as_json: bool, to_stderr: bool,
              show_tail: bool) -> None:
-    if isinstance(result, ClusterLaunch):
+    from gpuctl.commands.detached import LaunchResult  # (the launch imported it)
+
+    if not isinstance(result, LaunchResult):  # a multi-node run's ClusterLaunch
         cluster_launch(out, result, as_json=as_json, to_stderr=to_stderr)
     else:
         launch_result(out, result, as_json=as_json, to_stderr=to_stderr, show_tail=show_tail)
 
 
 def runs(out: Output, found: ContainerRuns | ClusterRuns, as_json: bool) -> None:
-    if isinstance(found, ClusterRuns):
+    if not isinstance(found, ContainerRuns):  # a multi-node run's ClusterRuns
         cluster_runs(out, found.runs, as_json=as_json)
     else:
         runs_table(out, found.runs, found.ctid, found.host, as_json=as_json)

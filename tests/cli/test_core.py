@@ -7,6 +7,7 @@ import re
 import jinja2
 import pytest
 
+from gpuctl import __version__ as gpuctl_version
 from gpuctl import address, commands, paths
 from gpuctl.errors import ExitCode, GpuctlError
 from gpuctl.remote import scripts, ssh
@@ -77,6 +78,41 @@ def test_broken_config_file_is_a_usage_error(xdg):
     with pytest.raises(GpuctlError, match="cannot read .*config.toml") as e:
         address.resolve(address.AddressFlags(host="h", ct=200), env={})
     assert e.value.code == ExitCode.USAGE
+
+
+def test_an_unknown_config_key_is_one_warning_naming_the_nearest(xdg, capsys):
+    from gpuctl import cli
+
+    write_config(xdg, 'host = "h"\nct = 200\nhots = "typo"\n[profiles.a]\nct = 201\n')
+    assert cli.run(["launch", "--dry-run"]) == ExitCode.OK
+    captured = capsys.readouterr()
+    said = " ".join(captured.err.split())  # (Rich wraps a long message)
+    assert said == (f"gpuctl: warning: {xdg}/config/gpuctl/config.toml: unknown key 'hots' is ignored "
+                    "(did you mean 'host'?)")
+    assert "pct exec 200 -- /bin/bash -s" in captured.out  # the rest of the file still counts
+    (xdg / "config" / "gpuctl" / "config.toml").write_text('host = "h"\nct = 200\nzzz = 1\n')
+    assert cli.run(["launch", "--dry-run"]) == ExitCode.OK
+    said = " ".join(capsys.readouterr().err.split())
+    assert said.count("gpuctl: ") == 1 and "unknown key 'zzz' is ignored (known keys: clusters, connect_timeout" in said
+
+
+@pytest.mark.parametrize("args", [[], ["--version"], ["--help"], ["status", "--help"]])
+def test_the_cli_starts_without_what_its_commands_use(args):
+    """Importing the CLI, --version and --help import neither the SSH layer (paramiko) nor torch, Rich, jinja2 or
+    tenacity: each command imports what it uses when it runs (a CLI that starts at once)."""
+    import subprocess
+    import sys
+
+    from tests.cli.conftest import REPO
+
+    heavy = ("paramiko", "torch", "rich", "jinja2", "tenacity", "invoke")
+    code = ("import sys; from gpuctl import cli; sys.argv[1:] and cli.run(sys.argv[1:]); "
+            f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({heavy!r})), file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, check=True,
+                          timeout=60)
+    assert done.stderr.splitlines()[-1] == "[]", done.stderr
+    if args == ["--version"]:
+        assert done.stdout == f"gpuctl {gpuctl_version}\n"
 
 
 def test_scripts_quote_every_value_and_refuse_missing_ones():

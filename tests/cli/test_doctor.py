@@ -216,6 +216,14 @@ def test_a_stopped_container_exits_4_and_an_unreachable_host_3(gpuctl, standin):
     assert [(c["name"], c["status"]) for c in doc.json()["checks"]] == [("host", "ok"), ("pct", "ok"),
                                                                        ("container", "fail")]
 
+    running_fix = doc.json()["checks"][-1]["fix"]
+    assert running_fix == f"pct start {gpuctl.ctid} on the host, or the right --ct"
+    missing = gpuctl("doctor", "--ct", "999", "--json")  # no such container: starting it is no fix
+    assert missing.code == 4 and "container 999 does not exist" in missing.stderr
+    fix = missing.json()["checks"][-1]["fix"]
+    assert "pct start" not in fix and "pct list" in fix and "--ct" in fix
+    assert "pct start" not in gpuctl("doctor", "--ct", "999").stdout
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         closed_port = s.getsockname()[1]

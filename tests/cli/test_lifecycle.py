@@ -10,6 +10,8 @@ import time
 import pytest
 from tenacity import retry, stop_after_delay, wait_fixed
 
+from tests.sandbox import ALIAS
+
 pytestmark = pytest.mark.sshd
 
 LONG = ("steps=100000", "step_s=0.05")
@@ -226,6 +228,7 @@ def test_ctrl_c_detaches_from_follow_and_leaves_the_run(gpuctl):
     _, err = follower.communicate(timeout=20)
     assert follower.returncode == 130
     assert "detached" in err and "Traceback" not in err
+    assert err == "gpuctl: detached; the run goes on (gpuctl logs -f follows it again)\n", err  # not an error
     assert gpuctl.status()["state"] == "running"
     assert gpuctl("kill", "--grace", "5").code == 0
 
@@ -240,9 +243,17 @@ def test_launch_follow_streams_until_the_end(gpuctl):
 
 
 def test_dry_run_runs_nothing(gpuctl):
-    result = gpuctl("launch", "--dry-run", "--set", "lr=1e-4")
+    result = gpuctl("launch", "--dry-run", "--set", "lr=1e-4", "--log-dir", "/workspace/logs")
     assert result.code == 0
     assert f"pct exec {gpuctl.ctid} -- /bin/bash -s" in result.stdout
+    # A summary first (what is staged, the command, the log), the ~300 lines of script after it.
+    summary = result.stdout[:result.stdout.index("\n\n")].splitlines()
+    assert summary[0] == f"# gpuctl launch --dry-run: nothing is sent to CT {gpuctl.ctid} on {ALIAS}, nothing runs."
+    assert summary[1].startswith("# stage:   gpuctl-wrapper.sh, run.sh, training/ in /root/gpuctl (")
+    assert summary[2].startswith("# command: '<interpreter>' -m training.train --config tiny --set lr=1e-4   (in "
+                                 "/workspace; ")
+    assert summary[3].startswith("# log:     /workspace/logs/train_tlN.log ")
+    assert len(summary) == 5 and result.stdout.count("\n") > 100
     assert "--set lr=1e-4" in result.stdout
     assert not gpuctl.path("/workspace/.gpuctl").exists()
     assert not gpuctl.path("/root/gpuctl/training").exists()

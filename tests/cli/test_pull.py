@@ -198,6 +198,13 @@ def test_pull_metrics_to_a_file_or_into_a_directory(gpuctl, tmp_path):
     pull(gpuctl, "--what", "metrics", str(tmp_path))
     assert (tmp_path / "tl1.metrics.jsonl").read_bytes() == metrics
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "m.jsonl", "tl1.metrics.jsonl"]
+    # DEST ending in a slash is a directory, made if missing (metrics and data are one file each, pulled alike).
+    doc = pull(gpuctl, "--what", "metrics", f"{tmp_path / 'new'}/")
+    assert doc["dest"] == str(tmp_path / "new") and (tmp_path / "new" / "tl1.metrics.jsonl").read_bytes() == metrics
+    assert [p.name for p in (tmp_path / "new").iterdir()] == ["tl1.metrics.jsonl"]
+    (tmp_path / "plain").write_text("a file")
+    wrong = gpuctl("pull", "--what", "metrics", f"{tmp_path / 'plain'}/")
+    assert wrong.code == 2 and "exists and is not a directory" in wrong.stderr
 
 
 def test_pull_exit_codes(gpuctl, standin, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -82,6 +83,19 @@ def test_setup_from_a_local_source_then_nothing_to_install_then_launch_uses_it(c
     # --python still wins.
     assert copy("launch", "--python", "fake-trainer", "--set", "fake.steps=1", "--follow").code == 0
     assert json.loads(copy.path("/workspace/.gpuctl/tl4.json").read_text())["python"] == "fake-trainer"
+    # What the README says gpuctl leaves in the container under /root/gpuctl is there after a setup and launches.
+    listed = layout_paths("/root/gpuctl/")
+    assert "/root/gpuctl/run.sh" in listed and "/root/gpuctl/venv/" in listed
+    gone = [path for path in listed if not os.path.lexists(copy.path(path))]
+    assert not gone, f"the README's layout table lists what is not left in the container: {gone}"
+
+
+def layout_paths(prefix: str) -> list[str]:
+    """The paths the README's table "What gpuctl leaves in the container" names in its first column."""
+    text = (REPO / "README.md").read_text()
+    table = text.split("## What gpuctl leaves in the container", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
+    return [path for row in rows for path in re.findall(r"`([^`]+)`", row) if path.startswith(prefix)]
 
 
 @pytest.mark.sshd

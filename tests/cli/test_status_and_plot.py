@@ -90,10 +90,27 @@ def test_status_watch_refreshes_in_place_until_ctrl_c(gpuctl):
     watcher.send_signal(signal.SIGINT)
     out, err = screen.finish()
     assert watcher.returncode == 130 and "Traceback" not in err, err
-    assert "stopped watching" in err
+    assert err.endswith("gpuctl: stopped watching\n") and "error" not in err, err  # asked for: not an error
     assert 0 <= out.find("running") < out.rfind("succeeded")  # the same screen, refreshed
     assert "\x1b[2K" in out or "\x1b[1A" in out  # in place: cursor moved back over the previous table
     assert gpuctl("status", "--watch", "--json").code == 2
+
+
+def test_status_watch_to_a_pipe_prints_each_refresh_as_a_block(gpuctl):
+    """Not a terminal: every refresh is written, whole and newline-terminated (a log of the watch, not one frame
+    drawn over and over)."""
+    gpuctl.launch_fake("steps=40", "step_s=0.05")
+    watcher = gpuctl.popen("status", "--watch", "--interval", "0.2")
+    screen = Output(watcher)
+    seen = screen.wait_for("succeeded", timeout=60)
+    screen.wait_for_more(len(seen))  # one more block after it
+    watcher.send_signal(signal.SIGINT)
+    out, err = screen.finish()
+    assert watcher.returncode == 130 and err == "gpuctl: stopped watching\n", err
+    blocks = [b for b in re.split(r"(?<=Ctrl-C stops\n)", out) if b]
+    assert len(blocks) >= 3 and all(b.endswith("Ctrl-C stops\n") for b in blocks), out[-2000:]
+    assert "running" in blocks[0] and "succeeded" in blocks[-1]
+    assert "\x1b[" not in out  # no cursor moves into a pipe
 
 
 def test_version_completion_and_no_color(gpuctl):

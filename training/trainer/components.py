@@ -18,6 +18,7 @@ from training.evaluate import acceptance_length, build_eval_set
 from training.export import export_run
 from training.metrics import MetricsLog, metrics_path
 from training.pipeline import RunResult, StepReport, Utilisation
+from training.reporters import Reporters
 from training.target import Target
 from training.trainer.batches import StepBatches
 from training.trainer.replicas import DrafterReplica
@@ -43,13 +44,15 @@ class StepLog:
     progress line, with the layout and each device's peak memory; a step the evaluation is due at adds the
     acceptance length τ (Evaluation) to that record. In a multi-node run the nodes exchange their window's
     tokens, FLOPs and busy fractions at each record: node 0's record is the run's (and evaluates), each other
-    node writes its own figures to its own file (metrics_path)."""
+    node writes its own figures to its own file (metrics_path). Node 0 also hands every record to the reporters
+    config.report_to names (TensorBoard, W&B, MLflow); `close` at the end closes them."""
 
     def __init__(self, config: TrainConfig, leader: DrafterReplica, batches: StepBatches, world: World,
                  evaluation: Evaluation, nodes: Nodes | SingleNode):
         self.config, self.leader, self.batches, self.evaluation = config, leader, batches, evaluation
         self.layout, self.devices, self.choice, self.nodes = world.layout, world.devices, world.choice, nodes
         self.metrics = MetricsLog(metrics_path(config.output_dir, nodes.rank), config.max_steps)
+        self.reporters = Reporters(config, writes=nodes.leader)
         self.skipped_total = 0  # steps skipped for a non-finite loss or gradient, since this process started
         self._records = 0
         self._open_window()
@@ -57,7 +60,7 @@ class StepLog:
     def start(self, step: int) -> None:
         """On a fresh run, the untrained drafter's τ: the baseline every later one is compared with."""
         if step == 0 and self.evaluation.enabled:
-            self.metrics.write(0, acceptance_length=self.evaluation())
+            self._write(0, acceptance_length=self.evaluation())
         self._open_window()
 
     def steady(self) -> None:
@@ -84,7 +87,13 @@ class StepLog:
         if self.evaluation.due(done):
             record["acceptance_length"] = self.evaluation()
         if record:
-            self.metrics.write(done, **record)
+            self._write(done, **record)
+
+    def close(self) -> None:
+        self.reporters.close()
+
+    def _write(self, step: int, **values) -> None:
+        self.reporters.write(step, self.metrics.write(step, **values))
 
     def _open_window(self) -> None:
         self._loss, self._accuracy, self._steps, self._skipped = 0.0, 0.0, 0, 0

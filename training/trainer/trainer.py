@@ -16,6 +16,7 @@ from training.distributed import default_micro_batch, join_nodes, node_env, run_
 from training.entry import StopSignals
 from training.metrics import announce_output
 from training.pipeline import Pipeline, PipelineConfig, RunResult, StepReport
+from training.reporters import check_installed
 from training.run_home import resolve_run_dir, run_record
 from training.trainer.batches import StepBatches, step_flops
 from training.trainer.checkpointing import CheckpointPolicy, prepare_output_dir, restore_checkpoint
@@ -77,6 +78,7 @@ class Trainer:
                 result = self.pipeline.run(stop=self.stop.reason)
             finally:
                 world.close()
+                self.step_log.close()
             # Finish.
             world.say_compile_counters()
             self.checkpoints.close(result.steps_done)
@@ -88,6 +90,7 @@ class Trainer:
     def resolve(self) -> None:
         """Once, first: the run's own directory (training/run_home.py), said in the log and to gpuctl pull, and
         on several nodes the micro-batch size a step's batch is shared in when it is unset."""
+        check_installed(self.config.report_to)  # before anything is made or loaded: exit 2 at once
         self.run_dir = resolve_run_dir(self.config, self.resume_requested)
         self.config = self.run_dir.config
         say(self.run_dir.line)
