@@ -366,17 +366,22 @@ def load_generators(config: RegenerateConfig, target_dir: Path, devices: list[to
     return generators
 
 
+def prompt_records(config: RegenerateConfig) -> tuple[list[PromptRecord], int]:
+    """load_prompts of prompts_path, written first from prompts_from when it does not exist yet."""
+    if config.prompts_from:
+        from training.prompts import ensure_prompts
+
+        ensure_prompts(config.prompts_path, config.prompts_from)
+    return load_prompts(config.prompts_path)
+
+
 def regenerate(config: RegenerateConfig, stop: StopFlag | None = None) -> int:
     devices = pick_devices(config)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     target_dir = target_directory(config)
     stop = stop or StopFlag()  # never entered: no signal handling when called as a library
-    if config.prompts_from:
-        from training.prompts import ensure_prompts
-
-        ensure_prompts(config.prompts_path, config.prompts_from)
-    records, duplicates = load_prompts(config.prompts_path)
+    records, duplicates = prompt_records(config)
     output = Path(config.output_path).expanduser()
     done = recover_output(output)
     pending = [r for r in records if id_key(r.id) not in done]
