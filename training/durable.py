@@ -19,6 +19,18 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def write_whole(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary name of this process and a rename, flushed to disk: a reader
+    sees the old file or the whole new one, never a part."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as out:
+        out.write(text)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
 def writer_tag() -> str:
     """`HOST-PID`, the writer of a temporary name (`PREFIX + writer_tag() + "-" + ...`): `abandoned` tells a
     dead writer's leftovers from a live one's, even on a disk that several hosts share."""

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from training.console import say, warn
+from training.durable import write_whole
 
 
 def announce_output(key: str, output: str | Path) -> None:
@@ -38,11 +39,8 @@ def announce_output(key: str, output: str | Path) -> None:
     if not path:
         return
     info = json.dumps({key: str(Path(output).expanduser().resolve())}, ensure_ascii=False)
-    tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        with open(tmp, "w") as file:
-            file.write(info + "\n")
-        os.replace(tmp, path)
+        write_whole(Path(path), info + "\n")
     except OSError as err:  # gpuctl pull will say it cannot find the output; the run itself goes on
         say(f"warning: cannot write {path}: {err}")
 

