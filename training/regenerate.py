@@ -45,6 +45,7 @@ from training.devices import check_devices, compute_dtype
 from training.entry import OneLineArgumentParser, StopSignals, run_entry_point
 from training.from_gguf import ensure_target_from_gguf
 from training.metrics import MetricsLog, announce_output
+from training.static_decode import ATTENTION, DecodeCounters, StaticDecoder, check_static_decodable
 
 DECODES = ("dynamic", "static", "auto")
 STATIC_MIN_WIDTH = 256  # the static decode's smallest prompt width (each width is compiled once)
@@ -65,10 +66,11 @@ class RegenerateConfig:
     num_threads: int = 0  # torch CPU threads; 0 = torch's default
     max_new_tokens: int = 2048  # per reply
     batch_size: int = 16  # records per generate call (per turn)
-    # "static": every generate call has one shape (batch_size rows, prompts left-padded to a power of two) and a
-    # fixed-size cache (transformers' StaticCache), which transformers compiles on CUDA and replays as CUDA
-    # graphs: the eager decode loop of a small target is bound by Python, not by the GPU. "dynamic": eager.
-    # "auto": static on CUDA, dynamic on the CPU (where nothing is compiled and filler rows only cost).
+    # "static": every batch has one shape (batch_size rows, prompts left-padded to a power of two) and a
+    # fixed-size cache, and on CUDA each decode step replays one CUDA graph (training/static_decode.py): the
+    # eager decode loop of a small target is bound by kernel launches, not by the GPU. Records are batched by
+    # length. "dynamic": transformers' generate, eager. "auto": static on CUDA, dynamic on the CPU (where no graph
+    # replays and filler rows only cost).
     decode: str = "dynamic"
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0  # nucleus sampling when temperature > 0 (top-k is off)
@@ -227,6 +229,11 @@ class ReplicaGenerator:
             raise ConfigError(f"{config.target_path}: neither the tokenizer nor the generation config has an EOS")
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.static = config.decode == "static" or (config.decode == "auto" and self.device.type == "cuda")
+        self.decoders: dict[int, StaticDecoder] = {}  # by width, the two last used (each holds a cache)
+        self.counters = DecodeCounters()
+        if self.static:
+            check_static_decodable(model.config)
+            model.set_attn_implementation(ATTENTION)
 
     def sampling(self) -> dict:
         if self.config.temperature > 0:  # top_k 0: the model's own generation defaults must not narrow it
@@ -242,25 +249,49 @@ class ReplicaGenerator:
         else:
             torch.default_generator.manual_seed(value)
 
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """One token per row at `temperature`, from the smallest set of tokens holding `top_p` of the mass."""
+        probs = (logits.float() / self.config.temperature).softmax(-1)
+        if self.config.top_p < 1:
+            sorted_probs, order = probs.sort(-1, descending=True)
+            outside = sorted_probs.cumsum(-1) - sorted_probs >= self.config.top_p
+            probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0))
+        return torch.multinomial(probs, 1)[:, 0]
+
+    def decoder(self, rows: int, width: int) -> StaticDecoder:
+        if width not in self.decoders:
+            if len(self.decoders) == 2:
+                self.decoders.pop(next(iter(self.decoders)))
+            self.decoders[width] = StaticDecoder(self.model, rows, width, self.config.max_new_tokens, self.eos_ids,
+                                                 self.counters)
+        self.decoders[width] = self.decoders.pop(width)  # the most recently used goes last
+        return self.decoders[width]
+
+    def new_tokens(self, ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+        """Each row's generated tokens (up to its first EOS and perhaps beyond)."""
+        if self.static:
+            return self.decoder(*ids.shape).generate(ids, mask, self.sample if self.config.temperature > 0 else None)
+        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                  max_new_tokens=self.config.max_new_tokens, pad_token_id=self.pad_id,
+                                  eos_token_id=self.eos_ids, **self.sampling())
+        return out[:, ids.shape[1]:].tolist()
+
     @torch.no_grad()
     def replies(self, contexts: list[list[dict]]) -> list[tuple[str, int, bool]]:
         """(reply text, tokens generated, cut at max_new_tokens) for each conversation so far."""
         prompts = [encode_chat(self.tokenizer, c, True, self.config.template_options()) for c in contexts]
-        width, rows, cache = max(len(p) for p in prompts), len(prompts), {}
+        width, rows = max(len(p) for p in prompts), len(prompts)
         if self.static:  # one shape per width: filler rows repeat the last prompt
             width = max(STATIC_MIN_WIDTH, 1 << (width - 1).bit_length())
-            rows, cache = max(rows, self.config.batch_size), {"cache_implementation": "static"}
+            rows = max(rows, self.config.batch_size)
         ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((rows, width), dtype=torch.long)
         for row in range(rows):  # left padding: every row ends where generation starts
             prompt = prompts[min(row, len(prompts) - 1)]
             ids[row, width - len(prompt):] = torch.tensor(prompt)
             mask[row, width - len(prompt):] = 1
-        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                  max_new_tokens=self.config.max_new_tokens, pad_token_id=self.pad_id,
-                                  eos_token_id=self.eos_ids, **self.sampling(), **cache)[: len(prompts)]
         results = []
-        for row in out[:, width:].tolist():
+        for row in self.new_tokens(ids, mask)[: len(prompts)]:
             end = next((i for i, token in enumerate(row) if token in self.eos_ids), None)
             reply = row if end is None else row[:end]
             results.append((self.tokenizer.decode(reply), len(reply) + (end is not None), end is None))
@@ -375,6 +406,16 @@ def prompt_records(config: RegenerateConfig) -> tuple[list[PromptRecord], int]:
     return load_prompts(config.prompts_path)
 
 
+def queued_batches(pending: list[PromptRecord], batch_size: int, by_length: bool) -> queue.Queue:
+    """The records in batches; by_length (the static decode) sorts them first: less padding, fewer widths."""
+    if by_length:
+        pending = sorted(pending, key=lambda r: len(json.dumps(r.messages[: reply_positions(r.messages)[0]])))
+    batches: queue.Queue = queue.Queue()
+    for start in range(0, len(pending), batch_size):
+        batches.put(pending[start:start + batch_size])
+    return batches
+
+
 def regenerate(config: RegenerateConfig, stop: StopFlag | None = None) -> int:
     devices = pick_devices(config)
     if config.num_threads:
@@ -397,9 +438,7 @@ def regenerate(config: RegenerateConfig, stop: StopFlag | None = None) -> int:
         f"batches of {config.batch_size}, {'sampled' if config.temperature > 0 else 'greedy'}, "
         f"thinking {'on' if config.enable_thinking else 'off'}")
 
-    batches: queue.Queue = queue.Queue()
-    for start in range(0, len(pending), config.batch_size):
-        batches.put(pending[start:start + config.batch_size])
+    batches = queued_batches(pending, config.batch_size, by_length=any(g.static for g in generators))
     writer = RecordWriter(output, done)
     progress = Progress(MetricsLog(metrics_file(output), total), total, already)
     failures: list[ThreadFailure] = []
@@ -425,6 +464,9 @@ def regenerate(config: RegenerateConfig, stop: StopFlag | None = None) -> int:
         while thread.is_alive():  # a timed join lets the main thread take signals
             thread.join(timeout=0.2)
     writer.close()
+    for generator in generators:
+        if generator.static:
+            say(f"{generator.device}: {generator.counters.line()}")
     if failures:
         raise failures[0]
     if stop.requested:

@@ -243,3 +243,23 @@ def test_the_real_target_bench_trains_splits_and_joins_its_export(smollm2, chats
                             capture_output=True, text=True)
     assert report.returncode == 0 and "smoke: tau by step 0: 1.00" in report.stdout
     assert (tmp_path / "tau.png").stat().st_size > 10_000
+
+
+def test_smollm2_static_decode_replies_equal_the_eager_generate(smollm2, tmp_path):
+    """decode=static (own cache, grouped attention, one shape per width) writes SmolLM2's greedy replies exactly as
+    transformers' generate does, in float32, prompts of different lengths in one padded batch with filler rows."""
+    from training.regenerate import main as regenerate_main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": n, "messages": [{"role": "user", "content": q}]}) + "\n"
+                               for n, (q, _) in enumerate(CHATS[:3])))
+    outputs = {}
+    for decode in ("dynamic", "static"):
+        sets = [f"target_path={smollm2}", f"prompts_path={prompts}", f"output_path={tmp_path / decode}.jsonl",
+                "batch_size=4", "max_new_tokens=24", f"decode={decode}", "dtype=float32", "num_threads=2",
+                "build_tiny=false"]
+        assert regenerate_main(["--config", "tiny-regenerate"] + [a for s in sets for a in ("--set", s)]) == 0
+        lines = (tmp_path / f"{decode}.jsonl").read_text().splitlines()
+        outputs[decode] = sorted((json.loads(line) for line in lines), key=lambda r: r["id"])
+    assert outputs["static"] == outputs["dynamic"] and len(outputs["static"]) == 3
+    assert all(len(r["messages"][-1]["content"]) > 20 for r in outputs["static"])  # real replies, not empty

@@ -107,7 +107,7 @@ def test_greedy_replies_are_the_targets_own_turn_by_turn(tiny_world, tmp_path, m
 
 
 def test_the_static_decode_writes_what_the_eager_one_writes(tiny_world, tmp_path):
-    """decode=static (one shape per width, filler rows, transformers' StaticCache; compiled on CUDA) gives the
+    """decode=static (one shape per width, filler rows, training/static_decode.py; graphs on CUDA) gives the
     eager decode's replies, record for record, with batches that are full and one that is not."""
     write_prompts(tmp_path / "prompts.jsonl", 7)
     outputs = {}
