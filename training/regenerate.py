@@ -24,6 +24,7 @@ one ends at once. A bad configuration or input line prints one line and exits 2;
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import os
@@ -40,15 +41,25 @@ import torch
 
 from training.config import DTYPES, ConfigError, load_config, parse_devices
 from training.console import say
-from training.data import DataError, encode_chat, parse_conversation
+from training.data import DataError, encode_chat
 from training.devices import check_devices, compute_dtype
 from training.entry import OneLineArgumentParser, StopSignals, run_entry_point
 from training.from_gguf import ensure_target_from_gguf
 from training.metrics import MetricsLog, announce_output
-from training.static_decode import ATTENTION, DecodeCounters, StaticDecoder, check_static_decodable
+from training.records import (  # noqa: F401 - content_id and recover_output are part of this entry point's API
+    PromptRecord,
+    RecordWriter,
+    content_id,
+    id_key,
+    load_prompts,
+    recover_output,
+    reply_positions,
+)
+from training.static_decode import ATTENTION, DecodeCounters, StaticDecoder, check_static_decodable, sample
 
 DECODES = ("dynamic", "static", "auto")
-STATIC_MIN_WIDTH = 256  # the static decode's smallest prompt width (each width is compiled once)
+STATIC_MIN_WIDTH = 256  # the static decode's smallest prompt width (each width has its own captured step)
+STATIC_CACHE_WIDTH = 1024  # wider batches decode in fewer rows: no cache is larger than batch_size rows of this
 
 
 @dataclass
@@ -104,116 +115,19 @@ class RegenerateConfig:
         return {"enable_thinking": self.enable_thinking}
 
 
-# Records in, records out.
-
-
-@dataclass
-class PromptRecord:
-    id: str | int
-    messages: list[dict]
-    line: int
-
-
-def content_id(messages: list[dict]) -> str:
-    """A stable id for a record that has none: the hash of its messages."""
-    canonical = json.dumps(messages, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()[:16]
-
-
-def id_key(record_id: str | int) -> str:
-    return json.dumps(record_id)
-
-
-def reply_positions(messages: list[dict]) -> list[int]:
-    """Where the target answers: every assistant message, and the end when the last message is not one."""
-    positions = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    if not messages or messages[-1]["role"] != "assistant":
-        positions.append(len(messages))
-    return positions
-
-
-def load_prompts(path: str) -> tuple[list[PromptRecord], int]:
-    """The prompt records, and how many exact duplicates (same id, same messages) were left out."""
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise DataError(f"prompts file not found: {file}")
-    records: list[PromptRecord] = []
-    seen: dict[str, PromptRecord] = {}
-    duplicates = 0
-    with open(file, "rb") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            where = f"{file}:{number}"
-            messages = parse_conversation(line, where)
-            record_id = json.loads(line).get("id")
-            if record_id is None:
-                record_id = content_id(messages)
-            elif isinstance(record_id, bool) or not isinstance(record_id, (str, int)):
-                raise DataError(f"{where}: id must be a string or an integer, got {record_id!r}")
-            if reply_positions(messages)[0] == 0:
-                raise DataError(f"{where}: nothing before the first reply to answer")
-            earlier = seen.get(id_key(record_id))
-            if earlier is not None:
-                if earlier.messages != messages:
-                    raise DataError(f"{where}: id {record_id!r} is also line {earlier.line}'s, with other messages")
-                duplicates += 1
-                continue
-            record = PromptRecord(record_id, messages, number)
-            seen[id_key(record_id)] = record
-            records.append(record)
-    return records, duplicates
-
-
-def recover_output(path: Path) -> set[str]:
-    """The ids (id_key) of the complete records in the output; a torn last line is cut off first."""
-    if not path.exists():
-        return set()
-    with open(path, "r+b") as file:
-        data = file.read()
-        end = data.rfind(b"\n") + 1
-        if end < len(data):
-            file.truncate(end)
-            file.flush()
-            os.fsync(file.fileno())
-            say(f"{path}: cut a torn last line ({len(data) - end} bytes) left by an interrupted run")
-    done = set()
-    for number, line in enumerate(data[:end].splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            done.add(id_key(json.loads(line)["id"]))
-        except (ValueError, KeyError, TypeError):
-            raise DataError(f"{path}:{number}: not a complete record; fix or move the file") from None
-    return done
-
-
-class RecordWriter:
-    """The one writer of the output: whole lines, each flushed and fsynced, every id at most once."""
-
-    def __init__(self, path: Path, done: set[str]):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "ab")  # noqa: SIM115 - open for the writer's whole life, closed in close()
-        self._lock = threading.Lock()
-        self.done = done
-
-    def write(self, record: dict) -> bool:
-        key = id_key(record["id"])
-        line = (json.dumps(record, ensure_ascii=False) + "\n").encode()
-        with self._lock:
-            if key in self.done:
-                return False
-            self._file.write(line)
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self.done.add(key)
-        return True
-
-    def close(self) -> None:
-        self._file.close()
-
-
 # Generation.
+
+
+def left_padded(prompts: list[list[int]], rows: int, width: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask [rows, width]: every row ends where generation starts; rows past the
+    prompts repeat the last one (filler for a fixed shape)."""
+    ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((rows, width), dtype=torch.long)
+    for row in range(rows):
+        prompt = prompts[min(row, len(prompts) - 1)]
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        mask[row, width - len(prompt):] = 1
+    return ids, mask
 
 
 class ReplicaGenerator:
@@ -229,7 +143,7 @@ class ReplicaGenerator:
             raise ConfigError(f"{config.target_path}: neither the tokenizer nor the generation config has an EOS")
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.static = config.decode == "static" or (config.decode == "auto" and self.device.type == "cuda")
-        self.decoders: dict[int, StaticDecoder] = {}  # by width, the two last used (each holds a cache)
+        self.decoders: dict[tuple, StaticDecoder] = {}  # by (rows, width): the two last used (each holds a cache)
         self.counters = DecodeCounters()
         if self.static:
             check_static_decodable(model.config)
@@ -249,28 +163,21 @@ class ReplicaGenerator:
         else:
             torch.default_generator.manual_seed(value)
 
-    def sample(self, logits: torch.Tensor) -> torch.Tensor:
-        """One token per row at `temperature`, from the smallest set of tokens holding `top_p` of the mass."""
-        probs = (logits.float() / self.config.temperature).softmax(-1)
-        if self.config.top_p < 1:
-            sorted_probs, order = probs.sort(-1, descending=True)
-            outside = sorted_probs.cumsum(-1) - sorted_probs >= self.config.top_p
-            probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0))
-        return torch.multinomial(probs, 1)[:, 0]
-
     def decoder(self, rows: int, width: int) -> StaticDecoder:
-        if width not in self.decoders:
+        if (rows, width) not in self.decoders:
             if len(self.decoders) == 2:
                 self.decoders.pop(next(iter(self.decoders)))
-            self.decoders[width] = StaticDecoder(self.model, rows, width, self.config.max_new_tokens, self.eos_ids,
-                                                 self.counters)
-        self.decoders[width] = self.decoders.pop(width)  # the most recently used goes last
-        return self.decoders[width]
+            self.decoders[rows, width] = StaticDecoder(self.model, rows, width, self.config.max_new_tokens,
+                                                       self.eos_ids, self.counters)
+        self.decoders[rows, width] = self.decoders.pop((rows, width))  # the most recently used goes last
+        return self.decoders[rows, width]
 
     def new_tokens(self, ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
         """Each row's generated tokens (up to its first EOS and perhaps beyond)."""
         if self.static:
-            return self.decoder(*ids.shape).generate(ids, mask, self.sample if self.config.temperature > 0 else None)
+            sampled = self.config.temperature > 0
+            return self.decoder(*ids.shape).generate(ids, mask, functools.partial(
+                sample, temperature=self.config.temperature, top_p=self.config.top_p) if sampled else None)
         out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                                   max_new_tokens=self.config.max_new_tokens, pad_token_id=self.pad_id,
                                   eos_token_id=self.eos_ids, **self.sampling())
@@ -281,17 +188,17 @@ class ReplicaGenerator:
         """(reply text, tokens generated, cut at max_new_tokens) for each conversation so far."""
         prompts = [encode_chat(self.tokenizer, c, True, self.config.template_options()) for c in contexts]
         width, rows = max(len(p) for p in prompts), len(prompts)
-        if self.static:  # one shape per width: filler rows repeat the last prompt
+        if self.static:  # one shape per width; a wide batch in fewer rows, so no cache outgrows a 1,024-wide one
             width = max(STATIC_MIN_WIDTH, 1 << (width - 1).bit_length())
-            rows = max(rows, self.config.batch_size)
-        ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((rows, width), dtype=torch.long)
-        for row in range(rows):  # left padding: every row ends where generation starts
-            prompt = prompts[min(row, len(prompts) - 1)]
-            ids[row, width - len(prompt):] = torch.tensor(prompt)
-            mask[row, width - len(prompt):] = 1
+            size, new = self.config.batch_size, self.config.max_new_tokens
+            rows = max(1, min(size, size * (STATIC_CACHE_WIDTH + new) // (width + new)))
+        tokens = []
+        for start in range(0, len(prompts), rows):
+            chunk = prompts[start:start + rows]
+            tokens += self.new_tokens(*left_padded(chunk, rows if self.static else len(chunk), width,
+                                                   self.pad_id))[: len(chunk)]
         results = []
-        for row in self.new_tokens(ids, mask)[: len(prompts)]:
+        for row in tokens:
             end = next((i for i, token in enumerate(row) if token in self.eos_ids), None)
             reply = row if end is None else row[:end]
             results.append((self.tokenizer.decode(reply), len(reply) + (end is not None), end is None))

@@ -65,6 +65,16 @@ def check_static_decodable(config) -> None:
                           "target has sliding-window layers: use decode=dynamic")
 
 
+def sample(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """One token per row at `temperature`, from the smallest set of tokens holding `top_p` of the mass."""
+    probs = (logits.float() / temperature).softmax(-1)
+    if top_p < 1:
+        sorted_probs, order = probs.sort(-1, descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0))
+    return torch.multinomial(probs, 1)[:, 0]
+
+
 class StaticKVCache:
     """Per layer, keys and values [rows, kv_heads, length, head_dim], allocated at the first write (the prefill),
     written at `slots` (a tensor of cache positions) and read up to `visible`. The part of transformers' Cache

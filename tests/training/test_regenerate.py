@@ -124,12 +124,13 @@ def test_the_static_decode_writes_what_the_eager_one_writes(tiny_world, tmp_path
     assert not ReplicaGenerator(model, tokenizer, auto).static  # on the CPU nothing compiles: no filler rows
 
 
-def test_sampling_is_seeded(tiny_world, tmp_path):
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_sampling_is_seeded(tiny_world, tmp_path, decode):
     write_prompts(tmp_path / "prompts.jsonl", 6)
     outputs = {}
     for name, seed in (("a", 1), ("b", 1), ("c", 2)):
         config = config_for(tiny_world, tmp_path / "prompts.jsonl", tmp_path / f"{name}.jsonl", "temperature=1.5",
-                            "top_p=0.95", f"seed={seed}", "max_new_tokens=8", "batch_size=3")
+                            "top_p=0.95", f"seed={seed}", "max_new_tokens=8", "batch_size=3", f"decode={decode}")
         assert regenerate(config) == 0
         outputs[name] = {r["id"]: r["messages"] for r in read_output(tmp_path / f"{name}.jsonl")}
     assert outputs["a"] == outputs["b"] and outputs["a"] != outputs["c"]
@@ -164,11 +165,12 @@ def start_and_wait(command: list[str], output: Path, lines: int, timeout: float 
 
 
 @pytest.mark.e2e
-def test_killed_and_stopped_runs_resume_with_each_id_exactly_once(tiny_world, tmp_path):
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_killed_and_stopped_runs_resume_with_each_id_exactly_once(tiny_world, tmp_path, decode):
     count = 40
     prompts = write_prompts(tmp_path / "prompts.jsonl", count)
     output = tmp_path / "regenerated.jsonl"
-    command = regenerate_command(tiny_world, tmp_path / "prompts.jsonl", output)
+    command = regenerate_command(tiny_world, tmp_path / "prompts.jsonl", output, f"decode={decode}")
 
     killed = start_and_wait(command, output, 3)
     killed.send_signal(signal.SIGKILL)
