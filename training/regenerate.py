@@ -24,8 +24,6 @@ one ends at once. A bad configuration or input line prints one line and exits 2;
 from __future__ import annotations
 
 import copy
-import functools
-import hashlib
 import json
 import os
 import queue
@@ -41,10 +39,11 @@ import torch
 
 from training.config import DTYPES, ConfigError, load_config, parse_devices
 from training.console import say
-from training.data import DataError, encode_chat
+from training.data import DataError
 from training.devices import check_devices, compute_dtype
 from training.entry import OneLineArgumentParser, StopSignals, run_entry_point
 from training.from_gguf import ensure_target_from_gguf
+from training.generation import EngineGenerator, ReplicaGenerator
 from training.metrics import MetricsLog, announce_output
 from training.records import (  # noqa: F401 - content_id and recover_output are part of this entry point's API
     PromptRecord,
@@ -55,11 +54,9 @@ from training.records import (  # noqa: F401 - content_id and recover_output are
     recover_output,
     reply_positions,
 )
-from training.static_decode import ATTENTION, DecodeCounters, StaticDecoder, check_static_decodable, sample
 
 DECODES = ("dynamic", "static", "auto")
-STATIC_MIN_WIDTH = 256  # the static decode's smallest prompt width (each width has its own captured step)
-STATIC_CACHE_WIDTH = 1024  # wider batches decode in fewer rows: no cache is larger than batch_size rows of this
+BACKENDS = ("transformers", "vllm")
 
 
 @dataclass
@@ -83,6 +80,9 @@ class RegenerateConfig:
     # length. "dynamic": transformers' generate, eager. "auto": static on CUDA, dynamic on the CPU (where no graph
     # replays and filler rows only cost).
     decode: str = "dynamic"
+    # "transformers" (decode above) or "vllm": vLLM's offline engine where the package is installed, on the one GPU
+    # the process sees (CUDA_VISIBLE_DEVICES; one process per GPU), same prompts, stop ids and output
+    backend: str = "transformers"
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0  # nucleus sampling when temperature > 0 (top-k is off)
     enable_thinking: bool = False  # passed to the chat template (Qwen3's thinking switch)
@@ -97,6 +97,11 @@ class RegenerateConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.decode not in DECODES:
             raise ConfigError(f"decode must be one of {', '.join(DECODES)}, got {self.decode!r}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.backend == "vllm" and len(parse_devices(self.target_devices, "target_devices")) != 1:
+            raise ConfigError("backend = \"vllm\" runs one engine on one GPU: give target_devices one entry and run "
+                              "a process per GPU")
         if not self.temperature >= 0:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -113,116 +118,6 @@ class RegenerateConfig:
 
     def template_options(self) -> dict:
         return {"enable_thinking": self.enable_thinking}
-
-
-# Generation.
-
-
-def left_padded(prompts: list[list[int]], rows: int, width: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids and attention mask [rows, width]: every row ends where generation starts; rows past the
-    prompts repeat the last one (filler for a fixed shape)."""
-    ids = torch.full((rows, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((rows, width), dtype=torch.long)
-    for row in range(rows):
-        prompt = prompts[min(row, len(prompts) - 1)]
-        ids[row, width - len(prompt):] = torch.tensor(prompt)
-        mask[row, width - len(prompt):] = 1
-    return ids, mask
-
-
-class ReplicaGenerator:
-    """One device's target replica and tokenizer: a batch of records -> regenerated records."""
-
-    def __init__(self, model, tokenizer, config: RegenerateConfig):
-        self.model, self.tokenizer, self.config = model, tokenizer, config
-        self.device = model.get_input_embeddings().weight.device
-        eos = model.generation_config.eos_token_id
-        eos = eos if isinstance(eos, list) else [eos]
-        self.eos_ids = sorted({*eos, tokenizer.eos_token_id} - {None})
-        if not self.eos_ids:
-            raise ConfigError(f"{config.target_path}: neither the tokenizer nor the generation config has an EOS")
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
-        self.static = config.decode == "static" or (config.decode == "auto" and self.device.type == "cuda")
-        self.decoders: dict[tuple, StaticDecoder] = {}  # by (rows, width): the two last used (each holds a cache)
-        self.counters = DecodeCounters()
-        if self.static:
-            check_static_decodable(model.config)
-            model.set_attn_implementation(ATTENTION)
-
-    def sampling(self) -> dict:
-        if self.config.temperature > 0:  # top_k 0: the model's own generation defaults must not narrow it
-            return {"do_sample": True, "temperature": self.config.temperature, "top_p": self.config.top_p,
-                    "top_k": 0}
-        return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
-
-    def seed(self, records: list[PromptRecord]) -> None:
-        value = int(hashlib.sha256(f"{self.config.seed}/{id_key(records[0].id)}".encode()).hexdigest()[:15], 16)
-        if self.device.type == "cuda":
-            with torch.cuda.device(self.device):
-                torch.cuda.manual_seed(value)
-        else:
-            torch.default_generator.manual_seed(value)
-
-    def decoder(self, rows: int, width: int) -> StaticDecoder:
-        if (rows, width) not in self.decoders:
-            if len(self.decoders) == 2:
-                self.decoders.pop(next(iter(self.decoders)))
-            self.decoders[rows, width] = StaticDecoder(self.model, rows, width, self.config.max_new_tokens,
-                                                       self.eos_ids, self.counters)
-        self.decoders[rows, width] = self.decoders.pop((rows, width))  # the most recently used goes last
-        return self.decoders[rows, width]
-
-    def new_tokens(self, ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
-        """Each row's generated tokens (up to its first EOS and perhaps beyond)."""
-        if self.static:
-            sampled = self.config.temperature > 0
-            return self.decoder(*ids.shape).generate(ids, mask, functools.partial(
-                sample, temperature=self.config.temperature, top_p=self.config.top_p) if sampled else None)
-        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                  max_new_tokens=self.config.max_new_tokens, pad_token_id=self.pad_id,
-                                  eos_token_id=self.eos_ids, **self.sampling())
-        return out[:, ids.shape[1]:].tolist()
-
-    @torch.no_grad()
-    def replies(self, contexts: list[list[dict]]) -> list[tuple[str, int, bool]]:
-        """(reply text, tokens generated, cut at max_new_tokens) for each conversation so far."""
-        prompts = [encode_chat(self.tokenizer, c, True, self.config.template_options()) for c in contexts]
-        width, rows = max(len(p) for p in prompts), len(prompts)
-        if self.static:  # one shape per width; a wide batch in fewer rows, so no cache outgrows a 1,024-wide one
-            width = max(STATIC_MIN_WIDTH, 1 << (width - 1).bit_length())
-            size, new = self.config.batch_size, self.config.max_new_tokens
-            rows = max(1, min(size, size * (STATIC_CACHE_WIDTH + new) // (width + new)))
-        tokens = []
-        for start in range(0, len(prompts), rows):
-            chunk = prompts[start:start + rows]
-            tokens += self.new_tokens(*left_padded(chunk, rows if self.static else len(chunk), width,
-                                                   self.pad_id))[: len(chunk)]
-        results = []
-        for row in tokens:
-            end = next((i for i, token in enumerate(row) if token in self.eos_ids), None)
-            reply = row if end is None else row[:end]
-            results.append((self.tokenizer.decode(reply), len(reply) + (end is not None), end is None))
-        return results
-
-    def regenerate(self, records: list[PromptRecord]) -> tuple[list[dict], int]:
-        """The records with every reply the target's own, and the number of tokens generated."""
-        self.seed(records)
-        conversations = [copy.deepcopy(r.messages) for r in records]
-        positions = [reply_positions(r.messages) for r in records]
-        truncated = [False] * len(records)
-        tokens = 0
-        for turn in range(max(len(p) for p in positions)):
-            rows = [i for i, p in enumerate(positions) if turn < len(p)]
-            replies = self.replies([conversations[i][: positions[i][turn]] for i in rows])
-            for i, (text, count, cut) in zip(rows, replies):
-                at = positions[i][turn]
-                conversations[i][at:at + 1] = [{"role": "assistant", "content": text}]
-                truncated[i] |= cut
-                tokens += count
-        outputs = []
-        for record, messages, cut in zip(records, conversations, truncated):
-            outputs.append({"id": record.id, "messages": messages, **({"truncated": True} if cut else {})})
-        return outputs, tokens
 
 
 class Progress:
@@ -295,6 +190,8 @@ def load_generators(config: RegenerateConfig, target_dir: Path, devices: list[to
 
     with loading_target("tokenizer", str(target_dir)):
         tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    if config.backend == "vllm":
+        return [EngineGenerator(str(target_dir), tokenizer, config)]
     generators = []
     for device in devices:  # one at a time: loading several large checkpoints at once needs their sum in memory
         with loading_target("weights", str(target_dir)):

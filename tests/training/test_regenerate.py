@@ -3,6 +3,7 @@ the target's earlier ones, every id is written exactly once across kills and res
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 import shutil
@@ -257,6 +258,8 @@ def test_bad_prompts_are_one_line_errors(tiny_world, tmp_path, capsys, lines, me
     (["temperature=-1"], "temperature must be >= 0"),
     (["batch_size=0"], "batch_size must be > 0"),
     (["decode=graphs"], "decode must be one of dynamic, static, auto"),
+    (["backend=sglang"], "backend must be one of transformers, vllm"),
+    (["backend=vllm", "target_devices=[0, 1]"], 'backend = "vllm" runs one engine on one GPU'),
     (["target_devices=[-1]"], "neither a GPU index"),
     (["output_path=~/.cache/gpuctl/tiny-v2/train.jsonl"], "output_path must not be prompts_path"),
 ])
@@ -285,3 +288,50 @@ def test_a_target_with_truncated_weights_is_one_line(tiny_world, tmp_path, capsy
     code, err = run_main(["--config", "tiny-regenerate"] + [a for s in sets for a in ("--set", s)], capsys)
     assert code == 2 and err.startswith(f"error: cannot load the target's weights from {target}: "), err
     assert err.count("\n") == 1 and not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.fixture
+def vllm_standin(monkeypatch):
+    """The stand-in importable as vllm for one test, and gone after it."""
+    monkeypatch.syspath_prepend(str(REPO / "tests" / "training" / "vllm_standin"))
+    import vllm
+
+    yield vllm
+    for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
+        del sys.modules[name]
+
+
+def test_the_vllm_backend_writes_what_transformers_writes(tiny_world, tmp_path, vllm_standin):
+    """backend=vllm, through a stand-in for vLLM's offline API (tests/training/vllm_standin): the engine gets the
+    chat-templated token ids, the stop ids and the reply limit, and the records equal transformers' greedy ones,
+    multi-turn replies included."""
+    vllm = vllm_standin
+    write_prompts(tmp_path / "prompts.jsonl", 7)
+    outputs = {}
+    for backend in ("transformers", "vllm"):
+        output = tmp_path / backend / "regenerated.jsonl"
+        config = config_for(tiny_world, tmp_path / "prompts.jsonl", output, "batch_size=3", "max_new_tokens=10",
+                            f"backend={backend}")
+        assert regenerate(config) == 0
+        outputs[backend] = sorted(read_output(output), key=lambda r: r["id"])
+    assert outputs["vllm"] == outputs["transformers"] and len(outputs["vllm"]) == 7
+    assert any(r.get("truncated") for r in outputs["vllm"])  # some replies ran to the limit
+    (init,), calls = [c["init"] for c in vllm.CALLS if "init" in c], [c for c in vllm.CALLS if "generate" in c]
+    assert init["model"] == str(tiny_world.target) and init["generation_config"] == "vllm"
+    tokenizer = AutoTokenizer.from_pretrained(tiny_world.target)
+    assert all(p.max_tokens == 10 and tokenizer.convert_tokens_to_ids("<|im_end|>") in p.stop_token_ids
+               for c in calls for p in c["params"])
+    assert sum(c["generate"] for c in calls) == sum(len(r["messages"]) for r in outputs["vllm"]) - sum(
+        m["role"] != "assistant" for r in outputs["vllm"] for m in r["messages"])  # one prompt per reply
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
+def test_the_vllm_backend_without_vllm_is_one_line(tiny_world, tmp_path, capsys):
+    write_prompts(tmp_path / "prompts.jsonl", 2)
+    sets = [f"target_path={tiny_world.target}", f"prompts_path={tmp_path / 'prompts.jsonl'}",
+            f"output_path={tmp_path / 'out.jsonl'}", "build_tiny=false", "backend=vllm"]
+    assert main(["--config", "tiny-regenerate"] + [a for s in sets for a in ("--set", s)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [('error: backend = "vllm" needs the vllm package where the regeneration runs (pip install '
+                   'vllm); it is not installed')], err
+    assert not (tmp_path / "out.jsonl").exists() or not (tmp_path / "out.jsonl").read_text()
