@@ -219,6 +219,12 @@ class StaticDecoder:
     def generate(self, ids: torch.Tensor, mask: torch.Tensor, choose=None) -> list[list[int]]:
         """Each row's new tokens, up to max_new_tokens (past its first EOS they mean nothing). `choose` maps
         logits [rows, vocab] to tokens [rows]; None is greedy (argmax)."""
+        if self.device.type != "cuda":
+            return self._generate(ids, mask, choose)
+        with torch.cuda.device(self.device):  # graphs capture on, and replay into, the current device's stream
+            return self._generate(ids, mask, choose)
+
+    def _generate(self, ids: torch.Tensor, mask: torch.Tensor, choose) -> list[list[int]]:
         greedy = choose is None
         self._advance((choose or (lambda lg: lg.argmax(-1)))(self._prefill(ids.to(self.device),
                                                                                mask.to(self.device))))
