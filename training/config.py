@@ -19,6 +19,7 @@ except ModuleNotFoundError:  # Python 3.10
 PRESETS_DIR = Path(__file__).parent / "presets"
 DTYPES = ("auto", "bfloat16", "float32")
 ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
+COMPILE_MODES = ("auto", "all", "attention", "off")
 ON_CHECKPOINT_ERROR = ("stop", "warn")
 NODE_BACKENDS = ("auto", "nccl", "gloo")
 REPORT_TO = ("tensorboard", "wandb", "mlflow")  # training/reporters.py
@@ -87,7 +88,11 @@ class TrainConfig:
     drafter_devices: list[int | str] | str = field(default_factory=list)
     colocated_devices: list[int | str] | str = field(default_factory=list)
     dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on the CPU
-    attention: str = "auto"  # auto = flex on CUDA, sdpa on the CPU
+    attention: str = "auto"  # auto = flex on CUDA, sdpa on the CPU (and with compile = "off")
+    # What torch.compile compiles (ARCHITECTURE §6): "all" = the target's decoder layers and the drafter's
+    # attention; "attention" = the drafter's flex_attention only; "off" = nothing (SDPA attention: uncompiled flex
+    # is the dense path DESIGN §6 forbids); "auto" = all on CUDA, on the CPU attention where it is flex, else off
+    compile: str = "auto"
     num_threads: int = 0  # torch CPU threads; 0 = torch's default
     queue_depth: int = 4  # micro-batches between target and drafter threads at most (targets run ahead)
 
@@ -138,9 +143,11 @@ class TrainConfig:
         if self.block_size < 2:
             raise ConfigError(f"block_size must be >= 2, got {self.block_size}")
         for name, allowed in (("dtype", DTYPES), ("on_checkpoint_error", ON_CHECKPOINT_ERROR),
-                              ("node_backend", NODE_BACKENDS), ("attention", ATTENTION_BACKENDS)):
+                              ("node_backend", NODE_BACKENDS), ("attention", ATTENTION_BACKENDS),
+                              ("compile", COMPILE_MODES)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        self._check_compile()
         buckets = self.buckets()
         if any(b <= 0 for b in buckets) or buckets != sorted(set(buckets)):
             raise ConfigError(f"length_buckets must be distinct positive lengths, got {self.length_buckets}")
@@ -171,6 +178,11 @@ class TrainConfig:
             raise ConfigError("runs_dir and output_dir are both empty: set runs_dir (each run its own directory "
                               "under it) or output_dir")
         return self
+
+    def _check_compile(self) -> None:
+        if self.compile == "off" and self.attention == "flex":
+            raise ConfigError('compile = "off" with attention = "flex": uncompiled flex_attention is the dense path '
+                              'DESIGN §6 forbids; use attention = "sdpa" (or "auto"), or compile = "attention"')
 
     def _check_target_source(self) -> None:
         if self.target_gguf and self.build_tiny:

@@ -16,6 +16,7 @@ special token; a table with no free row, SmolLM2's, needs `mask_token` set to a 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -139,6 +140,8 @@ class Target:
         self.mask_token = mask_token_name(tokenizer, self.mask_token_id) if tokenizer is not None else None
         self._decoder_layers = model.get_decoder().layers
         self._captured: dict[int, torch.Tensor] | None = None  # a dict only while features() runs
+        self._in_features = threading.local()  # compiled layers serve training batches: eval and generate vary
+        self.layer_stage = None
         self._stop_after = None if run_all_layers else max(self.layers)
         for index in self.layers:
             self._decoder_layers[index].register_forward_hook(self._capture_hook(index))
@@ -158,6 +161,20 @@ class Target:
         with loading_target("weights", path):
             model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, attn_implementation="sdpa")
         return cls(model.to(device), tokenizer, layers, mask_token=mask_token)
+
+    def compile_layers(self, stage) -> None:
+        """Run the decoder layers that `features(..., compiled=True)` computes through `stage`
+        (training/stages.py); every other forward (evaluation, generate: shapes that vary) stays eager."""
+        self.layer_stage = stage
+        for layer in self._decoder_layers[: self.layers_run]:
+            layer.forward = self._layer_forward(layer, layer.forward, stage)
+
+    def _layer_forward(self, layer: nn.Module, eager, stage):
+        def forward(*args, **kwargs):
+            if getattr(self._in_features, "active", False):
+                return stage(layer, *args, **kwargs)
+            return eager(*args, **kwargs)
+        return forward
 
     def _capture_hook(self, index: int):
         def hook(module, args, output):
@@ -185,10 +202,13 @@ class Target:
         return len(self.layers)
 
     @torch.no_grad()
-    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 compiled: bool = False) -> torch.Tensor:
         """[B, L] token ids -> [B, L, len(layers) * D]. Right padding needs no mask: causal attention never
-        lets a real position see a later pad."""
+        lets a real position see a later pad. `compiled`: through the layer stage, if compile_layers gave one
+        (the training batches' fixed shapes; a shape it was not warmed for raises)."""
         self._captured = {}
+        self._in_features.active = compiled and self.layer_stage is not None
         try:
             try:
                 self.model.get_decoder()(input_ids=input_ids.to(self.device), attention_mask=attention_mask,
@@ -198,6 +218,7 @@ class Target:
             return torch.cat([self._captured[index] for index in self.layers], dim=-1)
         finally:
             self._captured = None
+            self._in_features.active = False
 
     @torch.no_grad()
     def generate_greedy(self, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 64) -> list[list[int]]:

@@ -23,7 +23,7 @@ class TargetReplica:
         self.target = target
 
     def features(self, batch: Batch) -> torch.Tensor:
-        return self.target.features(batch.input_ids)
+        return self.target.features(batch.input_ids, compiled=True)
 
 
 class DrafterReplica:

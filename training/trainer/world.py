@@ -30,6 +30,7 @@ from training.layout import (
 from training.model import Drafter, DrafterConfig
 from training.random_world import NUM_CONVERSATIONS as NUM_RANDOM_CONVERSATIONS
 from training.random_world import random_target, synthetic_conversations
+from training.stages import CompiledStage, decoder_layer_forward, resolve_compile
 from training.target import Target
 from training.tokenized import load_training_data
 from training.trainer.replicas import DrafterReplica, shared_flex_attention
@@ -46,7 +47,9 @@ def pick_layout(config: TrainConfig) -> tuple[Layout | None, list[torch.device],
     check_devices(devices)
     # Auto may put a drafter replica on any of its devices.
     replica_devices = [torch.device(d) for d in layout.replica_devices] if layout is not None else devices
-    backend = resolve_backend(config.attention, replica_devices[0])
+    # compile = "off" compiles nothing: auto attention is then SDPA (flex with it is refused by the config)
+    attention = "sdpa" if config.compile == "off" and config.attention == "auto" else config.attention
+    backend = resolve_backend(attention, replica_devices[0])
     if backend == "flex" and any(device.type != "cuda" for device in replica_devices):
         raise ConfigError("attention=flex needs a CUDA device for every drafter (torch refuses "
                           "flex_attention's backward on the CPU); use sdpa or auto")
@@ -113,6 +116,25 @@ def build_drafters(config: TrainConfig, target: Target, devices: list[torch.devi
     return [drafter] + [copy.deepcopy(drafter).to(device) for device in devices[1:]]
 
 
+def target_layer_stage(config: TrainConfig, target: Target, devices: int) -> CompiledStage:
+    """compile = "all": the target's decoder layers, one compiled function for every layer, sized to every
+    target device x length bucket (dynamo may keep an entry per layer: the limit allows it)."""
+    keys = devices * len(config.buckets())
+    return CompiledStage("target layers", decoder_layer_forward, keys_expected=keys * target.layers_run)
+
+
+def warm_target_layers(config: TrainConfig, target: Target, stage: CompiledStage) -> None:
+    """In the main thread, before any pipeline thread: the target's layers through `stage`, compiled for every
+    length bucket at the micro-batch's rows on the target's device (the training batches' shapes)."""
+    if target.layer_stage is stage:
+        return  # the trial's target, warmed already
+    target.compile_layers(stage)
+    with stage.warming():
+        for bucket in config.buckets():
+            ids = torch.zeros(config.micro_batch_rows(), bucket, dtype=torch.long, device=target.device)
+            target.features(ids, compiled=True)
+
+
 TRIAL_BATCHES = 4  # micro-batches the layout trial times each stage on (the first is warm-up)
 
 
@@ -138,7 +160,7 @@ def layout_trial(config: TrainConfig, devices: list[torch.device], target: Targe
                 else contextlib.nullcontext())
     with compiled:
         measured = measure_stages(device, batches, config.micro_batch_rows(),
-                                  lambda batch: target.features(batch.input_ids), drafter_step)
+                                  lambda batch: target.features(batch.input_ids, compiled=True), drafter_step)
 
     def nbytes(tensors) -> int:
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -174,15 +196,20 @@ class World:
     shared_flex: SharedFlexAttention | None
     choice: Choice | None  # topology "auto": what it measured and why it chose the layout
     data_id: dict  # what identifies the training data (load_data)
+    layer_stage: CompiledStage | None = None  # compile = "all": the target's decoder layers
 
     def close(self) -> None:
-        """The compiled attention's discipline ends (its counters stay readable)."""
+        """The compiled stages' discipline ends (their counters stay readable)."""
         if self.shared_flex is not None:
             self.shared_flex.close()
+        if self.layer_stage is not None:
+            self.layer_stage.close()
 
     def say_compile_counters(self) -> None:
         """The proof of the compile discipline, in the run's log (ARCHITECTURE §6; bench/cold_launches.py reads
         it)."""
+        if self.layer_stage is not None:
+            say(self.layer_stage.stats().line())
         if self.shared_flex is None:
             return
         stats = self.shared_flex.stats()
@@ -199,6 +226,12 @@ def build_world(config: TrainConfig, layout: Layout | None, devices: list[torch.
     place = (lambda names: [torch.device(n) for n in names])
     first = [devices[0]]
     targets = load_targets(config, place(layout.target_replica_devices) if layout else first, dtype)
+    layer_stage = None
+    if resolve_compile(config.compile, targets[0].device, backend) == "all":
+        layer_stage = target_layer_stage(config, targets[0], len(layout.target_replica_devices) if layout
+                                         else len(devices))
+        for target in targets:
+            warm_target_layers(config, target, layer_stage)
     stream, held_out, data_id = load_data(config, targets[0].tokenizer)
     replica_devices = place(layout.replica_devices) if layout else first
     drafters = build_drafters(config, targets[0], replica_devices)
@@ -208,7 +241,10 @@ def build_world(config: TrainConfig, layout: Layout | None, devices: list[torch.
                                             dtype, threads=len(replica_devices) if layout else None)
     replicas = [DrafterReplica(d, config, backend, dtype, shared_flex) for d in drafters]
     if layout is not None:
-        return World(layout, place(layout.devices), targets, replicas, stream, held_out, shared_flex, None, data_id)
+        if layer_stage is not None:
+            layer_stage.seal()
+        return World(layout, place(layout.devices), targets, replicas, stream, held_out, shared_flex, None, data_id,
+                     layer_stage)
 
     choice = layout_trial(config, devices, targets[0], replicas[0], stream, shared_flex)
     layout = choice.chosen.layout
@@ -217,6 +253,8 @@ def build_world(config: TrainConfig, layout: Layout | None, devices: list[torch.
     for name in layout.target_replica_devices:
         reuse = name == trial_device and trial_target not in targets
         targets += [trial_target] if reuse else load_targets(config, [torch.device(name)], dtype)
+        if layer_stage is not None:
+            warm_target_layers(config, targets[-1], layer_stage)
     for name in layout.replica_devices:
         reuse = name == trial_device and trial_replica not in replicas
         drafter = trial_replica.drafter if reuse else copy.deepcopy(trial_replica.drafter).to(torch.device(name))
@@ -227,4 +265,7 @@ def build_world(config: TrainConfig, layout: Layout | None, devices: list[torch.
         torch.cuda.empty_cache()  # a trial replica the layout does not keep
     if shared_flex is not None:
         shared_flex.expect_threads(len(replicas))
-    return World(layout, place(layout.devices), targets, replicas, stream, held_out, shared_flex, choice, data_id)
+    if layer_stage is not None:
+        layer_stage.seal()
+    return World(layout, place(layout.devices), targets, replicas, stream, held_out, shared_flex, choice, data_id,
+                 layer_stage)
