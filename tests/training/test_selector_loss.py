@@ -106,3 +106,28 @@ def test_with_alpha_0_the_objective_is_the_dflash_loss():
     ours, _ = dflash2_loss(hidden, drafter, labels, weights, 5, 0.0)
     unary, _ = dflash_loss(hidden, drafter.lm_head_weight, labels, weights, 5)
     torch.testing.assert_close(ours, unary, rtol=0, atol=0)
+
+
+def test_counted_dflash2_flops_equal_the_matrix_products_that_run():
+    """The trainer's FLOP count (training/flops.py) of a DFlash2 step, against FlopCounterMode: every matrix
+    product but attention (counted over the allowed pairs) is what runs."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from training.attention import build_mask
+    from training.flops import drafter_flops
+    from training.loss import block_targets
+
+    drafter = tiny_dflash2().train()
+    generator = torch.Generator().manual_seed(2)
+    features = torch.randn(1, 24, 2 * HIDDEN, generator=generator)
+    tokens = torch.randint(0, VOCAB - 1, (1, 24), generator=generator)
+    anchors, valid = torch.tensor([[2, 9, 15]]), torch.tensor([[True, True, False]])
+    labels, weights = block_targets(tokens, torch.ones_like(tokens, dtype=torch.bool), anchors, valid, BLOCK, 4.0)
+    with FlopCounterMode(display=False) as counter:
+        hidden = drafter(features, tokens.gather(1, anchors), anchors, build_mask("sdpa", anchors, valid, 24, BLOCK))
+        dflash2_loss(hidden, drafter, labels, weights, 5, 1.0)[0].backward()
+    counts = counter.get_flop_counts()["Global"]
+    matmul = sum(n for op, n in counts.items() if "attention" not in str(op))
+    counted = drafter_flops(drafter.config, 1, 24, anchors, valid, int((weights > 0).sum()))
+    assert {"DFlash2 convolution kernel projections", "DFlash2 selector"} <= counted.keys()
+    assert matmul == sum(flop for name, flop in counted.items() if not name.startswith("attention"))
