@@ -305,3 +305,18 @@ def test_resuming_with_another_architecture_is_refused_before_any_work(trained_r
     shutil.copytree(latest_checkpoint(trained_run), run / "checkpoints" / latest_checkpoint(trained_run).name)
     code = train_main(train_args(tiny_world, run) + ["--resume"])
     assert_one_line_exit_2(code, capsys, "is a dflash2 drafter; this run says architecture='dflash'")
+
+
+def test_a_resumed_dflash2_run_gives_the_losses_of_an_uninterrupted_one(tiny_world, tmp_path):
+    """The convolutions, the codebooks and their optimizer state go through the checkpoint: 2N steps straight,
+    then the same run resumed from its step-N checkpoint, loss for loss."""
+    out = tmp_path / "run"
+    args = train_args(tiny_world, out, *DFLASH2, "max_steps=12", "save_every=6", "log_every=1",
+                      "keep_checkpoints=5")
+    assert train_main(args) == 0
+    straight = {r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r}
+    shutil.rmtree(out / "checkpoints" / "step_00000012")
+    (out / "metrics.jsonl").unlink()
+    assert train_main(args + ["--resume"]) == 0
+    resumed = {r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r}
+    assert resumed == {step: straight[step] for step in range(7, 13)}
