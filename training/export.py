@@ -41,6 +41,7 @@ from training.target import MASK_TOKEN, check_feature_layers, rope_parameters
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}  # the reference's classes
+SERVED_DFLASH2_FIELDS = DFLASH2_FIELDS[1:]  # dflash_config's DFlash2 fields: all but "architecture" (the class)
 # The trainer's module names inside a drafter layer -> the reference's (Qwen3 decoder layer layout).
 LAYER_NAMES = {
     "input_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
@@ -113,12 +114,12 @@ def served_dflash2_fields(c: dict) -> dict:
     if c["architectures"] != [ARCHITECTURES["dflash2"]]:
         raise ValueError(f"architectures {c['architectures']} is neither DFlash's nor DFlash2's")
     dflash = c["dflash_config"]
-    return {"architecture": "dflash2", **{name: dflash[name] for name in DFLASH2_FIELDS[1:]}}
+    return {"architecture": "dflash2", **{name: dflash[name] for name in SERVED_DFLASH2_FIELDS}}
 
 
 def served_config(c: DrafterConfig, dtype: str) -> dict:
     """config.json of the served drafter: a Qwen3 config plus the DFlash (and DFlash2) fields the reference reads."""
-    dflash2 = {name: getattr(c, name) for name in DFLASH2_FIELDS[1:]} if c.architecture == "dflash2" else {}
+    dflash2 = {name: getattr(c, name) for name in SERVED_DFLASH2_FIELDS} if c.architecture == "dflash2" else {}
     return {
         "architectures": [ARCHITECTURES[c.architecture]],
         "model_type": "qwen3",

@@ -11,6 +11,7 @@ checkpoint).
 This is the served format's forward (ARCHITECTURE §7, the reference `DFlashDraftModel`): block position 0 is the anchor
 token and positions 1.. the `<|MASK|>` token (`mask_token_id`), both embedded by the target's table; q/k norms
 before RoPE; the final norm; row k predicts anchor + k. tests/training/test_export.py holds it to the reference.
+DFlash2 (the reference's DFlash2DraftModel) builds on these classes: training/dflash2.py.
 """
 
 from __future__ import annotations
