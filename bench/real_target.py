@@ -2,7 +2,8 @@
 trains on its answers, and the reference DFlash loop measures it (README "Train a drafter for a real model").
 
     python bench/real_target.py regenerate --work W --prompts P [--shards 4] [--seconds 450] --out O
-    python bench/real_target.py train --work W --data D --chat C --steps N [--conversations K] --name NAME --out O
+    python bench/real_target.py train --work W --data D --chat C --steps N [--conversations K] [--architecture
+        dflash|dflash2] --name NAME --out O
     python bench/real_target.py join PARTS_DIR EXPORT_DIR
     python bench/real_target.py report O... [--plot FILE]
 
@@ -180,7 +181,7 @@ def train(args: argparse.Namespace) -> int:
     settings = [f"target_path={work / 'target'}", "target_gguf=", f"data_path={data}",
                 f"eval_data_path={Path(args.chat).resolve()}", f"eval_prompts={args.eval_prompts}",
                 f"max_steps={args.steps}", f"eval_every={args.eval_every}", f"save_every={args.steps}",
-                f"runs_dir={runs}", f"devices={devices(args.device)}", *args.set]
+                f"runs_dir={runs}", f"devices={devices(args.device)}", f"architecture={args.architecture}", *args.set]
     command = python("-m", "training.train", "--config", "smollm2-135m", *[f"--set={s}" for s in settings])
     started = time.perf_counter()
     code = run_bounded(command, args.seconds, out / f"{args.name}-train.log",
@@ -329,6 +330,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     fit.add_argument("--seconds", type=float, default=480)
     fit.add_argument("--device", default="0")
     fit.add_argument("--name", required=True)
+    fit.add_argument("--architecture", choices=["dflash", "dflash2"], default="dflash",
+                     help="the drafter: DFlash, or DFlash2 with the trainer's DFlash2 defaults (same data and steps)")
     fit.add_argument("--no-export", action="store_true", help="leave the export out of --out ($OUT holds 8 files)")
     fit.add_argument("--set", action="append", default=[], help="another trainer setting KEY=VALUE")
     fit.add_argument("--out", required=True)

@@ -4,7 +4,8 @@
         --prompts FILE|humaneval [--prompts ...] [--limit N] [--new-tokens N] [--dtype float32|bfloat16] [--device cpu|cuda:0] [--json FILE]
 
 The export is loaded by the reference implementation (`dflash` 0.1.0, strictly: nothing missing, unexpected
-or mismatched), and its own `dflash_generate` decodes each prompt (one user turn through the target's chat
+or mismatched; as DFlashDraftModel or DFlash2DraftModel, as its config.json says), and its own `dflash_generate`
+decodes each prompt (one user turn through the target's chat
 template, stopping at the target's end-of-turn token). tau is tokens produced per verification step, counting
 every step, pooled over a prompt set. Beside it: the trainer's own tau (training/evaluate.py) for the same
 drafter, prompts and target continuations, so that a gap between what training reports and what serving
@@ -36,6 +37,7 @@ import transformers
 
 from training.config import ConfigError
 from training.data import encode_chat
+from training.dflash2 import build_drafter
 from training.entry import OneLineArgumentParser
 from training.evaluate import build_eval_set, produced_per_step, tau
 from training.export import read_export
@@ -127,7 +129,7 @@ def user_turn(record: dict) -> str:
 @dataclass
 class Models:
     target: Target
-    served: torch.nn.Module  # the reference's DFlashDraftModel
+    served: torch.nn.Module  # the reference's DFlashDraftModel (or DFlash2DraftModel)
     drafter: Drafter  # the trainer's, with the same weights
     dtype: torch.dtype
 
@@ -141,14 +143,15 @@ def load_models(export: str, target_path: str, dtype: torch.dtype, device: torch
     if target.mask_token_id != config.mask_token_id:
         raise ConfigError(f"the export's mask token {config.mask_token} is id {config.mask_token_id}; this "
                           f"target's tokenizer has it as {target.mask_token_id}")
-    served, info = reference.DFlashDraftModel.from_pretrained(str(Path(export).expanduser()), dtype=dtype,
-                                                              attn_implementation="sdpa", output_loading_info=True)
+    served_class = reference.DFlash2DraftModel if config.architecture == "dflash2" else reference.DFlashDraftModel
+    served, info = served_class.from_pretrained(str(Path(export).expanduser()), dtype=dtype,
+                                                attn_implementation="sdpa", output_loading_info=True)
     problems = {name: entries for name, entries in info.items() if entries}
     if problems:
         raise ConfigError(f"{export} does not load strictly in the reference: {problems}")
     embedding = target.model.get_input_embeddings().weight
     head = target.model.get_output_embeddings().weight
-    drafter = Drafter(config, embedding, embedding if head is embedding else head)
+    drafter = build_drafter(config, embedding, embedding if head is embedding else head)
     drafter.load_state_dict(weights)
     return Models(target, served.to(device).eval(), drafter.to(device, dtype).eval(), dtype)
 

@@ -26,6 +26,7 @@ REPORT_TO = ("tensorboard", "wandb", "mlflow")  # training/reporters.py
 TOML_OPENERS = ("[", "{")  # a --set value starting so is meant as a TOML list or table, never as text
 TOPOLOGY = re.compile(r"^(\d+):(\d+)$")
 RANDOM_TARGETS = ("qwen3-8b", "qwen3-8b-narrow")  # training/random_world.py builds them
+ARCHITECTURES = ("dflash", "dflash2")  # training/model.py, training/dflash2.py
 
 
 class ConfigError(ValueError):
@@ -78,6 +79,18 @@ class TrainConfig:
     gamma: float = 7.0
     loss_chunk_size: int = 2048  # block positions per chunk of the vocabulary-wide cross-entropy
 
+    # The drafter: "dflash", or "dflash2" (training/dflash2.py, served as DFlash2DraftModel): grouped dynamic
+    # causal convolutions (conv_kernel_size taps, one dynamic tap per conv_group_size channels) around attention
+    # and MLP in every layer, and a candidate selector (codebooks of selector_rank) proposing a path through
+    # each position's selector_top_k tokens, trained with selector_loss_alpha times its teacher-forced K-way
+    # cross-entropy (training/selector_loss.py). The DFlash2 keys are ignored for "dflash".
+    architecture: str = "dflash"
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    selector_loss_alpha: float = 1.0
+
     # Devices (training/layout.py): a thread per entry, each in a role. `devices` with `topology`: "auto"
     # (measure at warm-up, take the fastest layout that fits), "colocated" (each entry runs target forward then
     # drafter step: the serial loop), or "T:D" (T target entries feeding D drafter entries). Setting any of
@@ -121,12 +134,14 @@ class TrainConfig:
     def validate(self) -> "TrainConfig":
         """Check values beyond their types; returns self."""
         positive = ("max_steps", "batch_size", "max_length", "block_size", "num_anchors", "num_draft_layers",
-                    "loss_chunk_size", "log_every", "save_every", "keep_checkpoints", "eval_new_tokens",
+                    "loss_chunk_size", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+                    "log_every", "save_every", "keep_checkpoints", "eval_new_tokens",
                     "queue_depth", "max_bad_steps", "node_start_timeout_s", "node_sync_timeout_s", "node_timeout_s")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("eval_every", "eval_prompts", "num_threads", "weight_decay", "seed", "micro_batch_size"):
+        for name in ("eval_every", "eval_prompts", "num_threads", "weight_decay", "seed", "micro_batch_size",
+                     "selector_loss_alpha"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.batch_size % self.micro_batch_rows():
@@ -142,12 +157,7 @@ class TrainConfig:
             raise ConfigError(f"gamma must be > 0, got {self.gamma}")
         if self.block_size < 2:
             raise ConfigError(f"block_size must be >= 2, got {self.block_size}")
-        for name, allowed in (("dtype", DTYPES), ("on_checkpoint_error", ON_CHECKPOINT_ERROR),
-                              ("node_backend", NODE_BACKENDS), ("attention", ATTENTION_BACKENDS),
-                              ("compile", COMPILE_MODES)):
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        self._check_compile()
+        self._check_choices()
         buckets = self.buckets()
         if any(b <= 0 for b in buckets) or buckets != sorted(set(buckets)):
             raise ConfigError(f"length_buckets must be distinct positive lengths, got {self.length_buckets}")
@@ -179,7 +189,16 @@ class TrainConfig:
                               "under it) or output_dir")
         return self
 
-    def _check_compile(self) -> None:
+    def _check_choices(self) -> None:
+        """The keys that name one of a few choices, and the combinations of them that cannot work."""
+        if self.architecture == "dflash2" and self.conv_kernel_size > self.block_size:
+            raise ConfigError(f"conv_kernel_size ({self.conv_kernel_size}) must not exceed block_size "
+                              f"({self.block_size})")
+        for name, allowed in (("architecture", ARCHITECTURES), ("dtype", DTYPES),
+                              ("on_checkpoint_error", ON_CHECKPOINT_ERROR), ("node_backend", NODE_BACKENDS),
+                              ("attention", ATTENTION_BACKENDS), ("compile", COMPILE_MODES)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.compile == "off" and self.attention == "flex":
             raise ConfigError('compile = "off" with attention = "flex": uncompiled flex_attention is the dense path '
                               'DESIGN §6 forbids; use attention = "sdpa" (or "auto"), or compile = "attention"')
@@ -189,6 +208,14 @@ class TrainConfig:
             raise ConfigError("build_tiny and target_gguf both make target_path: set one of them")
         if isinstance(self.mask_token, int) and self.mask_token < 0:
             raise ConfigError(f"mask_token must be a token string or an id >= 0, got {self.mask_token}")
+
+    def dflash2_fields(self) -> dict:
+        """The drafter config's DFlash2 fields for this run ({} for DFlash)."""
+        if self.architecture != "dflash2":
+            return {}
+        return {"architecture": "dflash2", "conv_kernel_size": self.conv_kernel_size,
+                "conv_group_size": self.conv_group_size, "selector_rank": self.selector_rank,
+                "selector_top_k": self.selector_top_k}
 
     def micro_batch_rows(self) -> int:
         """Sequences per micro-batch."""

@@ -12,6 +12,8 @@ step, a step produces at most the tokens left before the continuation's end (its
 max_new_tokens), and the last blocks are cut at max_new_tokens as the loop cuts them. tau = tokens produced /
 steps. So on the same prompts and drafter the two agree (in float32, up to near-ties).
 
+A DFlash2 drafter drafts through its candidate selector (the reference's `propose`, greedy), not the argmax.
+
 This path uses SDPA: its shapes vary, and they must never reach the compiled flex_attention.
 """
 
@@ -70,8 +72,12 @@ def produced_per_step(drafter: Drafter, evalset: EvalSet, dtype: torch.dtype) ->
         verify = (limits - anchors).clamp(min=1, max=block)  # the block the loop verifies: cut at max_length
         mask = build_mask("sdpa", at, active[:, None], width, block, block_lengths=verify[:, None])
         with autocast(evalset.tokens.device, dtype):
-            hidden = drafter(evalset.features, evalset.tokens.gather(1, at), at, mask)
-            drafts = drafter.logits(hidden[:, 1:]).argmax(dim=-1)  # [E, block - 1]
+            anchor_tokens = evalset.tokens.gather(1, at)
+            hidden = drafter(evalset.features, anchor_tokens, at, mask)
+            if drafter.config.architecture == "dflash2":  # the selector's path, as the served drafter proposes
+                drafts = drafter.propose(hidden[:, 1:], anchor_tokens[:, 0])
+            else:
+                drafts = drafter.logits(hidden[:, 1:]).argmax(dim=-1)  # [E, block - 1]
         truth_at = (at + offsets).clamp(max=width - 1)
         agree = (drafts == evalset.tokens.gather(1, truth_at)) & (offsets < verify[:, None])
         accepted = agree.long().cumprod(dim=-1).sum(dim=-1)

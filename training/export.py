@@ -3,8 +3,10 @@
     python -m training.export RUN_OR_CHECKPOINT_DIR OUT_DIR [--dtype bfloat16|float32] [--force]
 
 RUN_OR_CHECKPOINT_DIR is a run's output_dir (its newest complete checkpoint is taken) or one checkpoint
-directory. OUT_DIR receives config.json (a Qwen3 config with `architectures: ["DFlashDraftModel"]`,
-`num_target_layers`, `block_size`, `dflash_config: {target_layer_ids, mask_token_id, mask_token}`, both
+directory. OUT_DIR receives config.json (a Qwen3 config with `architectures: ["DFlashDraftModel"]`, or
+["DFlash2DraftModel"] for a DFlash2 drafter, `num_target_layers`, `block_size`, `dflash_config:
+{target_layer_ids, mask_token_id, mask_token}` (DFlash2 adds conv_kernel_size, conv_group_size, selector_rank,
+selector_top_k, output_multiplier and final_logit_softcapping, the fields SGLang's parser takes together), both
 `rope_theta` and `rope_parameters` so that transformers 4.x and 5.x read the same RoPE, and `gpuctl: {run, home,
 checkpoint, step}`: the run that wrote the checkpoint, from its config.json) and model.safetensors with the
 reference implementation's parameter names; no embedding or LM head (the engine uses the target's).
@@ -31,13 +33,15 @@ from safetensors.torch import load_file, save_file
 from training.checkpoint import STEP_DIR, check_checkpoint, checkpoint_run, checkpoints_dir
 from training.config import ConfigError
 from training.console import say
+from training.dflash2 import build_drafter
 from training.durable import fsync_path
 from training.entry import OneLineArgumentParser
-from training.model import Drafter, DrafterConfig
+from training.model import DFLASH2_FIELDS, DrafterConfig
 from training.target import MASK_TOKEN, check_feature_layers, rope_parameters
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-ARCHITECTURE = "DFlashDraftModel"
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}  # the reference's classes
+SERVED_DFLASH2_FIELDS = DFLASH2_FIELDS[1:]  # dflash_config's DFlash2 fields: all but "architecture" (the class)
 # The trainer's module names inside a drafter layer -> the reference's (Qwen3 decoder layer layout).
 LAYER_NAMES = {
     "input_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
@@ -46,6 +50,16 @@ LAYER_NAMES = {
     "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj",
 }
 TRAINER_NAMES = {served: ours for ours, served in LAYER_NAMES.items()}
+# DFlash2's own parameters carry the reference's names in the trainer too (the codebooks without ".weight": the
+# reference's DFlash2DraftModel.from_pretrained maps them onto its nn.Embedding weights).
+DFLASH2_LAYER_MODULES = ("attention_conv", "mlp_conv")
+DFLASH2_NAMES = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
+                 "candidate_selector.hidden_projection.weight")
+
+
+def is_dflash2_name(name: str) -> bool:
+    parts = name.split(".")
+    return name in DFLASH2_NAMES or (parts[0] == "layers" and len(parts) >= 4 and parts[2] in DFLASH2_LAYER_MODULES)
 
 
 def served_name(name: str) -> str:
@@ -53,7 +67,7 @@ def served_name(name: str) -> str:
     parts = name.split(".")
     if parts[0] == "layers" and len(parts) == 4 and parts[2] in LAYER_NAMES:
         return ".".join([parts[0], parts[1], LAYER_NAMES[parts[2]], parts[3]])
-    if name in ("fc.weight", "hidden_norm.weight", "norm.weight"):
+    if name in ("fc.weight", "hidden_norm.weight", "norm.weight") or is_dflash2_name(name):
         return name
     raise ValueError(f"no served name for drafter parameter {name!r}")
 
@@ -64,7 +78,7 @@ def trainer_name(name: str) -> str:
     inner = ".".join(parts[2:-1])
     if parts[0] == "layers" and len(parts) >= 4 and inner in TRAINER_NAMES:
         return ".".join([parts[0], parts[1], TRAINER_NAMES[inner], parts[-1]])
-    if name in ("fc.weight", "hidden_norm.weight", "norm.weight"):
+    if name in ("fc.weight", "hidden_norm.weight", "norm.weight") or is_dflash2_name(name):
         return name
     raise ValueError(f"no trainer name for served parameter {name!r}")
 
@@ -85,17 +99,29 @@ def read_export(path: str | Path) -> tuple[DrafterConfig, dict[str, torch.Tensor
             num_layers=c["num_hidden_layers"], num_features=len(dflash["target_layer_ids"]),
             block_size=c["block_size"], target_layers=list(dflash["target_layer_ids"]),
             mask_token_id=dflash["mask_token_id"], num_target_layers=c["num_target_layers"],
-            max_position_embeddings=c["max_position_embeddings"], mask_token=dflash.get("mask_token", MASK_TOKEN))
+            max_position_embeddings=c["max_position_embeddings"], mask_token=dflash.get("mask_token", MASK_TOKEN),
+            **served_dflash2_fields(c))
         weights = {trainer_name(name): t for name, t in load_file(path / "model.safetensors").items()}
     except (OSError, ValueError, KeyError, TypeError, SafetensorError) as err:
         raise ConfigError(f"{path} is not a readable DFlash export ({type(err).__name__}: {err})") from None
     return config, weights
 
 
+def served_dflash2_fields(c: dict) -> dict:
+    """The DrafterConfig's DFlash2 fields of an exported config.json ({} for a DFlashDraftModel)."""
+    if c["architectures"] == [ARCHITECTURES["dflash"]]:
+        return {}
+    if c["architectures"] != [ARCHITECTURES["dflash2"]]:
+        raise ValueError(f"architectures {c['architectures']} is neither DFlash's nor DFlash2's")
+    dflash = c["dflash_config"]
+    return {"architecture": "dflash2", **{name: dflash[name] for name in SERVED_DFLASH2_FIELDS}}
+
+
 def served_config(c: DrafterConfig, dtype: str) -> dict:
-    """config.json of the served drafter: a Qwen3 config plus the DFlash fields the reference reads."""
+    """config.json of the served drafter: a Qwen3 config plus the DFlash (and DFlash2) fields the reference reads."""
+    dflash2 = {name: getattr(c, name) for name in SERVED_DFLASH2_FIELDS} if c.architecture == "dflash2" else {}
     return {
-        "architectures": [ARCHITECTURE],
+        "architectures": [ARCHITECTURES[c.architecture]],
         "model_type": "qwen3",
         "hidden_size": c.hidden_size,
         "num_attention_heads": c.num_heads,
@@ -118,7 +144,7 @@ def served_config(c: DrafterConfig, dtype: str) -> dict:
         # Both: vLLM reads mask_token_id; SGLang reads mask_token too (default <|MASK|>, which a target such as
         # SmolLM2 lacks), so neither falls back to a token this tokenizer has not got.
         "dflash_config": {"target_layer_ids": list(c.target_layers), "mask_token_id": c.mask_token_id,
-                          "mask_token": c.mask_token},
+                          "mask_token": c.mask_token, **dflash2},
         "dtype": dtype,
         "torch_dtype": dtype,  # the same, for engines on transformers 4.x (5.x reads `dtype`, warns on this one)
     }
@@ -166,7 +192,7 @@ def served_weights(checkpoint: Path, dtype: torch.dtype) -> tuple[DrafterConfig,
         raise ConfigError(f"{checkpoint / 'drafter.safetensors'} is unreadable: {err}") from None
     with torch.device("meta"):  # the parameters this config has, without allocating them
         rows = torch.empty(config.vocab_size, config.hidden_size)
-        expected = {name: tuple(p.shape) for name, p in Drafter(config, rows, rows).state_dict().items()}
+        expected = {name: tuple(p.shape) for name, p in build_drafter(config, rows, rows).state_dict().items()}
     got = {name: tuple(t.shape) for name, t in weights.items()}
     if got != expected:
         missing, unexpected = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
@@ -234,7 +260,8 @@ def export_run(output_dir: str | Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineArgumentParser(prog="python -m training.export",
-                     description="Write a drafter checkpoint in the format SGLang and vLLM load (DFlashDraftModel).")
+                     description="Write a drafter checkpoint in the format SGLang and vLLM load "
+                                 "(DFlashDraftModel, DFlash2DraftModel).")
     parser.add_argument("source", metavar="RUN_OR_CHECKPOINT_DIR",
                         help="a run's output_dir (its newest complete checkpoint) or a checkpoint directory")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="the model directory to write")

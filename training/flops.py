@@ -34,10 +34,25 @@ def drafter_flops(c, rows: int, context_len: int, anchors: torch.Tensor, block_v
     per_block_token = 2 * (d * (q_size + 2 * kv_size) + q_size * d + 3 * d * c.intermediate_size)
     # A block token sees the context before its anchor (`anchor` keys) and its own block; padding sees nothing.
     pairs = int(((anchors + c.block_size) * c.block_size * block_valid).sum())
-    return {
+    flops = {
         "drafter layers, block tokens": 3 * c.num_layers * per_block_token * block_tokens,
         "context k/v projections": 3 * c.num_layers * 2 * d * 2 * kv_size * rows * context_len,
         "fusion layer (fwd + weight grad)": 2 * 2 * c.num_features * d * d * rows * context_len,
         "LM head (fwd + input grad)": 2 * 2 * d * c.vocab_size * loss_positions,
         "attention, allowed pairs": 3 * c.num_layers * 4 * c.num_heads * c.head_dim * pairs,
+    }
+    if c.architecture == "dflash2":
+        flops.update(dflash2_flops(c, block_tokens, loss_positions))
+    return flops
+
+
+def dflash2_flops(c, block_tokens: int, loss_positions: int) -> dict[str, float]:
+    """What DFlash2 adds (training/dflash2.py): two kernel projections per layer over the block tokens; per
+    position with loss the selector's hidden projection, its K candidates' logits (fwd + input grad: the head is
+    frozen) and their transition scores."""
+    d, k, rank = c.hidden_size, c.selector_top_k, c.selector_rank
+    dynamic = 2 * c.conv_kernel_size * (d // c.conv_group_size)
+    return {
+        "DFlash2 convolution kernel projections": 3 * c.num_layers * 2 * 2 * d * dynamic * block_tokens,
+        "DFlash2 selector": (2 * 2 * k * d + 3 * 2 * d * rank + 3 * 2 * k * rank) * loss_positions,
     }

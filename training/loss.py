@@ -52,17 +52,20 @@ def float32_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 class ChunkedCrossEntropy(torch.autograd.Function):
     """sum(w * CE(hidden @ head.T, labels)) / sum(w), chunk by chunk; `head` is frozen (no gradient).
 
-    Also returns, without gradient, whether each position's top-1 prediction equals its label.
+    Also returns, without gradient, whether each position's top-1 prediction equals its label, and with
+    `top_k` > 0 each position's `top_k` highest-scoring tokens, best first ([P, 0] otherwise): DFlash2's
+    selector candidates, from the same logits matmul.
     Per chunk of R rows the vocabulary-wide work is one float32 logits matmul, one max pass (the logsumexp's
     shift and the top-1), one softmax, and one pass writing the scaled gradient in the head's dtype: no
     separate cast, logsumexp temporaries or in-place passes over [R, vocabulary].
     """
 
     @staticmethod
-    def forward(ctx, hidden, head, labels, weights, chunk_size: int):
+    def forward(ctx, hidden, head, labels, weights, chunk_size: int, top_k: int = 0):
         total_weight = weights.sum().float().clamp_min(1e-12)
         loss = torch.zeros((), device=hidden.device, dtype=torch.float32)
         correct = torch.zeros(labels.shape, device=hidden.device, dtype=torch.bool)
+        candidates = torch.zeros((labels.shape[0], top_k), device=hidden.device, dtype=torch.long)
         needs_grad = ctx.needs_input_grad[0]
         grad_hidden = torch.zeros_like(hidden, dtype=torch.float32) if needs_grad else None
         for start in range(0, hidden.shape[0], chunk_size):
@@ -72,6 +75,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             label_logit = logits.gather(1, label)
             top_logit, top = logits.max(dim=-1, keepdim=True)  # the first of equal maxima, as argmax
             correct[rows] = top.squeeze(1) == labels[rows]
+            if top_k:
+                candidates[rows] = logits.topk(top_k, dim=-1).indices
             probs = torch.softmax(logits, dim=-1)
             del logits
             # logsumexp = max + log(sum(exp(logits - max))), and the softmax at the max is 1 / that sum.
@@ -84,14 +89,14 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                 grad_logits.scatter_(1, label, label_grad.to(head.dtype))
                 grad_hidden[rows] = float32_matmul(grad_logits, head)
         ctx.save_for_backward(grad_hidden)
-        ctx.mark_non_differentiable(correct)
+        ctx.mark_non_differentiable(correct, candidates)
         ctx.hidden_dtype = hidden.dtype
-        return loss / total_weight, correct
+        return loss / total_weight, correct, candidates
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_correct):
+    def backward(ctx, grad_loss, grad_correct, grad_candidates):
         (grad_hidden,) = ctx.saved_tensors
-        return (grad_hidden * grad_loss).to(ctx.hidden_dtype), None, None, None, None
+        return (grad_hidden * grad_loss).to(ctx.hidden_dtype), None, None, None, None, None
 
 
 def dflash_loss(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
@@ -101,6 +106,6 @@ def dflash_loss(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, 
     Only positions with a weight are sent through the vocabulary (anchors and padding blocks cost nothing)."""
     hidden, labels, weights = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1), weights.reshape(-1)
     keep = weights.nonzero().squeeze(1)
-    loss, correct = ChunkedCrossEntropy.apply(hidden[keep], head, labels[keep], weights[keep], chunk_size)
+    loss, correct, _ = ChunkedCrossEntropy.apply(hidden[keep], head, labels[keep], weights[keep], chunk_size)
     accuracy = correct.float().mean() if keep.numel() else torch.zeros((), device=hidden.device)
     return loss, accuracy

@@ -5,7 +5,8 @@ its output goes, into $GPUCTL_RUN_INFO when set (announce_output). Every record 
 `total_steps` and `time` (Unix seconds) and `elapsed_s`; training records add `loss`, `lr`, `tokens_per_s`
 (real target tokens per second over the logging window; the first window starts when every thread has warmed
 up), `tflops_per_s` (counted matrix FLOPs of the target forward and drafter step per second, training/flops.py:
-divided by the devices' matrix rate it is the MFU), `accuracy`, `grad_norm`, `skipped_steps` (steps of the
+divided by the devices' matrix rate it is the MFU), `accuracy` (top-1 over positions with loss; for DFlash2 the
+selector's, teacher-forced: training/selector_loss.py), `grad_norm`, `skipped_steps` (steps of the
 window whose update was skipped for a non-finite loss or gradient; `loss` and `accuracy` average the others and
 are left out when there are none, `grad_norm` when the window's last step was skipped), `skipped_steps_total`
 (since the process started), `layout` (its name, e.g. "colocated" or "1:1"), `peak_memory_gib` (per device:

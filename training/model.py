@@ -11,6 +11,7 @@ checkpoint).
 This is the served format's forward (ARCHITECTURE §7, the reference `DFlashDraftModel`): block position 0 is the anchor
 token and positions 1.. the `<|MASK|>` token (`mask_token_id`), both embedded by the target's table; q/k norms
 before RoPE; the final norm; row k predicts anchor + k. tests/training/test_export.py holds it to the reference.
+DFlash2 (the reference's DFlash2DraftModel) builds on these classes: training/dflash2.py.
 """
 
 from __future__ import annotations
@@ -43,10 +44,20 @@ class DrafterConfig:
     num_target_layers: int
     max_position_embeddings: int  # the target's
     mask_token: str = MASK_TOKEN  # the token string of mask_token_id (checkpoints before it had <|MASK|>)
+    # "dflash", or "dflash2" (training/dflash2.py: the served DFlash2DraftModel); the fields below are DFlash2's
+    # and are left out of a DFlash drafter's dict, so its checkpoints read as before.
+    architecture: str = "dflash"
+    conv_kernel_size: int = 0  # taps of the grouped dynamic causal convolutions around attention and MLP
+    conv_group_size: int = 0  # channels sharing one dynamic tap
+    selector_rank: int = 0  # the candidate selector's codebook rank
+    selector_top_k: int = 0  # candidates per position the selector ranks
+    output_multiplier: float = 1.0  # the served logits' scale ...
+    final_logit_softcapping: float = 0.0  # ... and tanh cap (0 = none): the identity is what the trainer trains
 
     @classmethod
     def from_target(cls, target_config, num_layers: int, block_size: int, target_layers: list[int],
-                    mask_token_id: int, mask_token: str = MASK_TOKEN) -> DrafterConfig:
+                    mask_token_id: int, mask_token: str = MASK_TOKEN, **dflash2) -> DrafterConfig:
+        """`dflash2`: architecture="dflash2" and its fields (conv_kernel_size, ...); none for DFlash."""
         hidden = target_config.hidden_size
         heads = target_config.num_attention_heads
         return cls(
@@ -58,7 +69,7 @@ class DrafterConfig:
             num_layers=num_layers, num_features=len(target_layers), block_size=block_size,
             target_layers=list(target_layers), mask_token_id=mask_token_id,
             num_target_layers=target_config.num_hidden_layers,
-            max_position_embeddings=target_config.max_position_embeddings, mask_token=mask_token,
+            max_position_embeddings=target_config.max_position_embeddings, mask_token=mask_token, **dflash2,
         )
 
     @property
@@ -66,7 +77,15 @@ class DrafterConfig:
         return float(self.rope_parameters["rope_theta"])
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        fields = asdict(self)
+        if self.architecture == "dflash":
+            for name in DFLASH2_FIELDS:
+                del fields[name]
+        return fields
+
+
+DFLASH2_FIELDS = ("architecture", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+                  "output_multiplier", "final_logit_softcapping")
 
 
 class RMSNorm(nn.Module):
@@ -123,14 +142,19 @@ class DraftLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, context: torch.Tensor, rope_q: tuple, rope_kv: tuple,
                 mask: AttentionMask) -> torch.Tensor:
-        batch, q_len, _ = hidden.shape
+        hidden = hidden + self.attention(self.input_norm(hidden), context, rope_q, rope_kv, mask)
+        return hidden + self.mlp(self.post_attention_norm(hidden))
+
+    def attention(self, x: torch.Tensor, context: torch.Tensor, rope_q: tuple, rope_kv: tuple,
+                  mask: AttentionMask) -> torch.Tensor:
+        """The attention sublayer's output (before the residual) for the normed block tokens x [B, T, D]."""
+        batch, q_len, _ = x.shape
         kv_len = context.shape[1] + q_len
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         # One matmul for q, k, v of the block tokens and one for k, v of the context: the normed input is read
         # and cast once, and its gradient comes out of one matmul instead of three summed ones.
-        dtype = matmul_dtype(hidden.device.type, self.q_proj.weight.dtype)
+        dtype = matmul_dtype(x.device.type, self.q_proj.weight.dtype)
         w_q, w_k, w_v = (proj.weight.to(dtype) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        x = self.input_norm(hidden)
         q, k_block, v_block = F.linear(x, torch.cat([w_q, w_k, w_v])).split([q_size, kv_size, kv_size], dim=-1)
         # KV injection: the target's context and the block tokens share this layer's k/v projections.
         k_context, v_context = F.linear(context, torch.cat([w_k, w_v])).split([kv_size, kv_size], dim=-1)
@@ -140,18 +164,21 @@ class DraftLayer(nn.Module):
         q = apply_rotary(q.transpose(1, 2), *rope_q)
         k = apply_rotary(self.k_norm(k).transpose(1, 2), *rope_kv)
         out = attend(q, k, v.transpose(1, 2), mask)
-        hidden = hidden + self.o_proj(out.transpose(1, 2).reshape(batch, q_len, -1))
-        x = self.post_attention_norm(hidden)
-        return hidden + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, -1))
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Drafter(nn.Module):
+    layer_class = DraftLayer
+
     def __init__(self, config: DrafterConfig, embedding: torch.Tensor, lm_head: torch.Tensor):
         super().__init__()
         c = self.config = config
         self.fc = nn.Linear(c.num_features * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         # The target's own embedding and LM head, frozen: buffers stay out of the optimizer and the checkpoint.
         # A tied target's one table is one buffer, so a copy to another device stays one copy.
@@ -197,6 +224,11 @@ class Drafter(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full logits: only for small inputs (evaluation); training uses the chunked loss."""
         return hidden.to(self.lm_head_weight.dtype) @ self.lm_head_weight.T
+
+    def propose(self, hidden: torch.Tensor, anchor_tokens: torch.Tensor) -> torch.Tensor:
+        """Greedy drafts [B, L] for block rows 1.. (hidden [B, L, D]) after the anchor tokens [B], as the served
+        drafter proposes them: DFlash takes each row's argmax."""
+        return self.logits(hidden).argmax(dim=-1)
 
     def num_trainable(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)

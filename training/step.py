@@ -12,6 +12,7 @@ from training.data import Batch
 from training.devices import autocast
 from training.loss import block_targets, dflash_loss
 from training.model import Drafter
+from training.selector_loss import dflash2_loss
 
 
 @dataclass
@@ -21,14 +22,19 @@ class DrafterOutput:
 
 
 def drafter_stage(drafter: Drafter, features: torch.Tensor, batch: Batch, backend: str, gamma: float,
-                  chunk_size: int, dtype: torch.dtype, flex_attention: FlexAttention | None = None) -> DrafterOutput:
+                  chunk_size: int, dtype: torch.dtype, flex_attention: FlexAttention | None = None,
+                  selector_loss_alpha: float = 1.0) -> DrafterOutput:
     """Forward pass and loss; `batch` must already be on the drafter's device. The flex backend calls
-    `flex_attention` (see training/attention.py)."""
+    `flex_attention` (see training/attention.py). A DFlash2 drafter adds its selector's objective
+    (training/selector_loss.py), weighted by `selector_loss_alpha`."""
     block = drafter.config.block_size
     mask = build_mask(backend, batch.anchors, batch.block_valid, batch.input_ids.shape[1], block, flex_attention)
     labels, weights = block_targets(batch.input_ids, batch.loss_mask, batch.anchors, batch.block_valid, block, gamma)
     with autocast(features.device, dtype):
         anchor_tokens = batch.input_ids.gather(1, batch.anchors)
         hidden = drafter(features, anchor_tokens, batch.anchors, mask)
-        loss, accuracy = dflash_loss(hidden, drafter.lm_head_weight, labels, weights, chunk_size)
+        if drafter.config.architecture == "dflash2":
+            loss, accuracy = dflash2_loss(hidden, drafter, labels, weights, chunk_size, selector_loss_alpha)
+        else:
+            loss, accuracy = dflash_loss(hidden, drafter.lm_head_weight, labels, weights, chunk_size)
     return DrafterOutput(loss, accuracy)

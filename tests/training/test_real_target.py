@@ -263,3 +263,36 @@ def test_smollm2_static_decode_replies_equal_the_eager_generate(smollm2, tmp_pat
         outputs[decode] = sorted((json.loads(line) for line in lines), key=lambda r: r["id"])
     assert outputs["static"] == outputs["dynamic"] and len(outputs["static"]) == 3
     assert all(len(r["messages"][-1]["content"]) > 20 for r in outputs["static"])  # real replies, not empty
+
+
+def test_the_bench_trains_a_dflash2_drafter_for_smollm2_that_serves_losslessly(smollm2, chats, tmp_path):
+    """The DFlash-against-DFlash2 comparison's second arm, two steps on the CPU: bench/real_target.py train
+    --architecture dflash2 exports a DFlash2DraftModel that the reference loads strictly (the acceptance command
+    checks output_loading_info), and its loop's float32 output is the target's greedy one, its τ the trainer's
+    step by step."""
+    import subprocess
+
+    bench = [sys.executable, str(Path(__file__).resolve().parents[2] / "bench" / "real_target.py")]
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    (work / "target").symlink_to(smollm2)
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"set": "chat", "messages": [{"role": "user", "content": "Name a colour."}]}) + "\n")
+    small = [a for s in SMALL_RUN if not s.startswith(("devices=", "eval_prompts=", "save_every="))
+             for a in ("--set", s)]
+    result = subprocess.run(bench + ["train", "--work", str(work), "--data", str(chats), "--chat", str(chat),
+                                     "--steps", "2", "--eval-every", "2", "--eval-prompts", "1", "--device", "cpu",
+                                     "--architecture", "dflash2", "--name", "d2", "--out", str(out),
+                                     "--no-export", *small],
+                            capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    export = work / "runs-d2" / "d2" / "export"
+    served = json.loads((export / "config.json").read_text())
+    assert served["architectures"] == ["DFlash2DraftModel"] and served["dflash_config"]["selector_top_k"] == 16
+    assert served["dflash_config"]["conv_group_size"] == 16 and served["dflash_config"]["mask_token_id"] == 16
+    report = tmp_path / "acceptance.json"
+    assert acceptance_main(["--export", str(export), "--target", str(smollm2), "--prompts", str(chat),
+                            "--new-tokens", "8", "--json", str(report)]) == 0
+    figures = json.loads(report.read_text())
+    assert all(p["lossless"] for p in figures["prompts"])
+    assert all(p["served_steps"] == p["trainer_steps"] for p in figures["prompts"])

@@ -38,7 +38,11 @@ def prepare_output_dir(config: TrainConfig, resume: bool, per_run: bool = False)
         raise ConfigError(f"cannot write in output_dir {output_dir}: permission denied")
     recover_checkpoints(output_dir)  # a save killed mid-write: its step put back, its leftovers gone
     if resume and latest_checkpoint(config.output_dir) is not None:
-        check_checkpoint(latest_checkpoint(config.output_dir))  # e.g. a pre-<|MASK|> one: refused before any work
+        # E.g. a pre-<|MASK|> one, or another architecture than this run's: refused before any work.
+        saved = check_checkpoint(latest_checkpoint(config.output_dir))
+        if saved.architecture != config.architecture:
+            raise ConfigError(f"{latest_checkpoint(config.output_dir)} is a {saved.architecture} drafter; this run "
+                              f"says architecture={config.architecture!r}")
     if resume or latest_checkpoint(config.output_dir) is None:
         return
     if per_run:

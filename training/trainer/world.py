@@ -17,6 +17,7 @@ from training.config import ConfigError, TrainConfig, parse_devices
 from training.console import say
 from training.data import Batch, BatchStream, prepare_sequences
 from training.devices import check_devices
+from training.dflash2 import build_drafter
 from training.from_gguf import ensure_target_from_gguf
 from training.layout import (
     Choice,
@@ -104,7 +105,8 @@ def load_data(config: TrainConfig, tokenizer) -> tuple[BatchStream, list[list[di
 def build_drafters(config: TrainConfig, target: Target, devices: list[torch.device]) -> list[Drafter]:
     """Identical drafter replicas, one per drafter device, on the target's frozen embedding and LM head."""
     drafter_config = DrafterConfig.from_target(target.config, config.num_draft_layers, config.block_size,
-                                               target.layers, target.mask_token_id, target.mask_token)
+                                               target.layers, target.mask_token_id, target.mask_token,
+                                               **config.dflash2_fields())
     embedding = target.model.get_input_embeddings().weight.to(devices[0])
     head = target.model.get_output_embeddings().weight
     # A tied target (SmolLM2) has one table for both: the drafter keeps one copy of it on each device.
@@ -112,7 +114,7 @@ def build_drafters(config: TrainConfig, target: Target, devices: list[torch.devi
     torch.manual_seed(config.seed)  # here, so that building the tiny world first changes nothing
     # Initialised in place: a 1 B-parameter drafter is slow to init on a CPU.
     with torch.device(devices[0]):
-        drafter = Drafter(drafter_config, embedding, lm_head)
+        drafter = build_drafter(drafter_config, embedding, lm_head)
     return [drafter] + [copy.deepcopy(drafter).to(device) for device in devices[1:]]
 
 
