@@ -51,6 +51,9 @@ class TrainConfig:
     # The token at the block's masked positions: a token string or id the target's tokenizer has. "" =
     # <|MASK|> (added to the tokenizer where its embedding table has a free row for it).
     mask_token: str | int = ""
+    # Start from this drafter instead of a random one: an exported drafter directory (`python -m training.export`,
+    # or a run's <output_dir>/export), fine-tuned from there (training/warm_start.py). "" = a fresh drafter.
+    init_from: str = ""
     overwrite_output: bool = False  # with output_dir set: a fresh run may delete an earlier run's files there
     enable_thinking: bool = False  # the chat template's thinking switch (Qwen3); what the data was generated with
     skip_bad_data: bool = False  # skip data lines that are not conversations (counted in the log) instead of exit 2

@@ -1,9 +1,10 @@
 """The drafters people serve now (issue 31), held to the reference package `dflash` 0.1.0 on the tiny target, on
-the CPU: τ when sampling (the reference's rejection sampling, seeded)."""
+the CPU: τ when sampling (the reference's rejection sampling, seeded), warm starts from an export."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -12,9 +13,15 @@ import pytest
 import torch
 
 from training.acceptance import main as acceptance_main
+from training.config import load_config
 from training.data import eval_prompts, load_conversations
+from training.evaluate import acceptance_length, build_eval_set
+from training.export import read_export
+from training.model import Drafter
 from training.target import Target
 from training.train import main as train_main
+from training.trainer.world import build_drafters
+from training.warm_start import read_warm_start
 
 NEW_TOKENS = 32
 
@@ -113,3 +120,125 @@ def test_bad_sampling_options_are_one_line_exit_2(option, message, tiny_world, t
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
 
+
+# ---- warm start ------------------------------------------------------------------------------------------------
+
+
+def reference_proposals(model, target: Target, prompt: list[int], monkeypatch) -> list[dict]:
+    """The reference greedy loop on one prompt, recording at every step the block it drafts from, the context
+    features it passes and the tokens it proposes."""
+    steps: list[dict] = []
+    real_embeddings, real_forward, real_logits = reference._raw_input_embeddings, model.forward, model.compute_logits
+
+    def record_block(target_model, block_ids, scale=1.0):
+        steps.append({"block": block_ids.clone()})
+        return real_embeddings(target_model, block_ids, scale)
+
+    def record_forward(**kwargs):
+        steps[-1].update(context=kwargs["target_hidden"].clone(), positions=kwargs["position_ids"].clone())
+        return real_forward(**kwargs)
+
+    def record_logits(hidden, head):
+        logits = real_logits(hidden, head)
+        steps[-1]["proposed"] = logits.argmax(dim=-1)
+        return logits
+
+    with monkeypatch.context() as patch:
+        patch.setattr(reference, "_raw_input_embeddings", record_block)
+        patch.setattr(model, "forward", record_forward)
+        patch.setattr(model, "compute_logits", record_logits)
+        reference.dflash_generate(model, target.model, torch.tensor([prompt]), NEW_TOKENS,
+                                  [target.tokenizer.eos_token_id])
+    return steps
+
+
+def trainer_proposals(drafter: Drafter, steps: list[dict]) -> list[torch.Tensor]:
+    """The trainer drafter's proposals for each step of a reference loop: the same anchor token and the context
+    the loop accumulated, the last block cut to the loop's verify size (its keys past the cut hidden)."""
+    from training.attention import build_mask
+
+    context, proposals = None, []
+    for step in steps:
+        context = step["context"] if context is None else torch.cat([context, step["context"]], dim=1)
+        length = step["block"].shape[1]
+        anchor = int(step["positions"][0, -length])
+        assert context.shape[1] == anchor
+        anchors = torch.tensor([[anchor]])
+        mask = build_mask("sdpa", anchors, torch.tensor([[True]]), anchor, drafter.config.block_size,
+                          block_lengths=torch.tensor([[length]]))
+        with torch.no_grad():
+            hidden = drafter(context, step["block"][:, :1], anchors, mask)
+            proposals.append(drafter.logits(hidden[:, 1:length]).argmax(dim=-1))
+    return proposals
+
+
+def warm_config(world, output_dir: Path, export: Path, *overrides: str):
+    overrides = [*world.overrides(output_dir), "num_threads=1", f"init_from={export}", *overrides]
+    return load_config("tiny", overrides)
+
+
+def test_a_warm_start_proposes_at_step_0_exactly_what_its_source_proposes_in_the_reference_loop(
+        trained_run, tiny_world, target, tmp_path, monkeypatch):
+    """The run's own bf16 export as init_from: the drafter the trainer builds (before any step) proposes, at
+    every step of the reference's greedy loop on 6 prompts, the tokens the exported drafter proposes there; a
+    fresh drafter (the same run without init_from) does not."""
+    export = trained_run / "export"
+    config = warm_config(tiny_world, tmp_path / "warm", export)
+    (warm,) = build_drafters(config, target, [torch.device("cpu")], read_warm_start(config))
+    config.init_from = ""
+    (fresh,) = build_drafters(config, target, [torch.device("cpu")], read_warm_start(config))
+    model, compared, fresh_differs = served(export), 0, False
+    for prompt in prompts(tiny_world, target, 6):
+        steps = reference_proposals(model, target, prompt, monkeypatch)
+        for step, ours, theirs in zip(steps, trainer_proposals(warm.eval(), steps),
+                                      trainer_proposals(fresh.eval(), steps)):
+            assert torch.equal(ours, step["proposed"]), (ours, step["proposed"])
+            fresh_differs |= not torch.equal(theirs, step["proposed"])
+            compared += 1
+    assert compared >= 20 and fresh_differs
+
+
+def test_a_warm_started_run_starts_at_its_sources_tau_and_fine_tunes_from_there(trained_run, tiny_world, target,
+                                                                               tmp_path):
+    """A run with init_from: its step-0 evaluation (the trainer's τ, training/evaluate.py) is the exported
+    drafter's own τ on the same prompts, far above a fresh drafter's 1.0; it trains and exports as any run."""
+    out = tmp_path / "warm"
+    assert train_main(sets_for(tiny_world, out, f"init_from={trained_run / 'export'}", "max_steps=4",
+                               "eval_every=4")) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    step0 = next(r for r in records if r["step"] == 0)["acceptance_length"]
+    config, weights = read_export(trained_run / "export")
+    source = Drafter(config, target.model.get_input_embeddings().weight, target.model.get_output_embeddings().weight)
+    source.load_state_dict({name: t.float() for name, t in weights.items()})
+    evalset = build_eval_set(target, prompts(tiny_world, target, 16), 48, "cpu")
+    assert step0 == pytest.approx(acceptance_length(source, evalset, torch.float32), rel=1e-9) and step0 > 2.0
+    assert (out / "export" / "model.safetensors").is_file()
+    assert next(r for r in records if r["step"] == 4)["acceptance_length"] > 1.5
+
+
+def edited_export(export: Path, where: Path, **changes) -> Path:
+    path = Path(shutil.copytree(export, where / "edited"))
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("case", ["layers", "block", "width", "not an export"])
+def test_a_warm_start_that_does_not_fit_is_one_line_exit_2(case, trained_run, tiny_world, tmp_path, capsys):
+    export = trained_run / "export"
+    overrides, message = {
+        "layers": (["num_draft_layers=3"], "its num_layers is 2, this run's (num_draft_layers) is 3"),
+        "block": (["block_size=4"], "its block_size is 8, this run's (block_size) is 4"),
+        "width": ([], "its intermediate_size is 100"),
+        "not an export": ([], "is not an exported drafter"),
+    }[case]
+    if case == "width":
+        export = edited_export(export, tmp_path, intermediate_size=100)
+    elif case == "not an export":
+        export = tmp_path
+    code = train_main(sets_for(tiny_world, tmp_path / "run", f"init_from={export}", *overrides))
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert message in err, err
+    assert not (tmp_path / "run" / "checkpoints").exists()

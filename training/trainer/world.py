@@ -33,6 +33,7 @@ from training.random_world import random_target, synthetic_conversations
 from training.target import Target
 from training.tokenized import load_training_data
 from training.trainer.replicas import DrafterReplica, shared_flex_attention
+from training.warm_start import WarmStart, apply_warm_start, read_warm_start
 
 
 def pick_layout(config: TrainConfig) -> tuple[Layout | None, list[torch.device], str]:
@@ -98,8 +99,10 @@ def load_data(config: TrainConfig, tokenizer) -> tuple[BatchStream, list[list[di
     return stream, held_out, {**data_id, "sequences kept": len(sequences)}
 
 
-def build_drafters(config: TrainConfig, target: Target, devices: list[torch.device]) -> list[Drafter]:
-    """Identical drafter replicas, one per drafter device, on the target's frozen embedding and LM head."""
+def build_drafters(config: TrainConfig, target: Target, devices: list[torch.device],
+                   warm: WarmStart | None = None) -> list[Drafter]:
+    """Identical drafter replicas, one per drafter device, on the target's frozen embedding and LM head;
+    with `warm` (init_from), holding its weights."""
     drafter_config = DrafterConfig.from_target(target.config, config.num_draft_layers, config.block_size,
                                                target.layers, target.mask_token_id, target.mask_token)
     embedding = target.model.get_input_embeddings().weight.to(devices[0])
@@ -110,6 +113,7 @@ def build_drafters(config: TrainConfig, target: Target, devices: list[torch.devi
     # Initialised in place: a 1 B-parameter drafter is slow to init on a CPU.
     with torch.device(devices[0]):
         drafter = Drafter(drafter_config, embedding, lm_head)
+    apply_warm_start(drafter, warm)
     return [drafter] + [copy.deepcopy(drafter).to(device) for device in devices[1:]]
 
 
@@ -198,10 +202,11 @@ def build_world(config: TrainConfig, layout: Layout | None, devices: list[torch.
     same role on that device)."""
     place = (lambda names: [torch.device(n) for n in names])
     first = [devices[0]]
+    warm = read_warm_start(config)  # a bad init_from before the target's weights load
     targets = load_targets(config, place(layout.target_replica_devices) if layout else first, dtype)
     stream, held_out, data_id = load_data(config, targets[0].tokenizer)
     replica_devices = place(layout.replica_devices) if layout else first
-    drafters = build_drafters(config, targets[0], replica_devices)
+    drafters = build_drafters(config, targets[0], replica_devices, warm)
     shared_flex = None
     if backend == "flex":
         shared_flex = shared_flex_attention(config, drafters[0].config, replica_devices if layout else devices,
