@@ -5,9 +5,10 @@
 RUN_OR_CHECKPOINT_DIR is a run's output_dir (its newest complete checkpoint is taken) or one checkpoint
 directory. OUT_DIR receives config.json (a Qwen3 config with `architectures: ["DFlashDraftModel"]`,
 `num_target_layers`, `block_size`, `dflash_config: {target_layer_ids, mask_token_id, mask_token}`, both
-`rope_theta` and `rope_parameters` so that transformers 4.x and 5.x read the same RoPE, and `gpuctl: {run, home,
-checkpoint, step}`: the run that wrote the checkpoint, from its config.json) and model.safetensors with the
-reference implementation's parameter names; no embedding or LM head (the engine uses the target's).
+`rope_theta` and `rope_parameters` (and for a scaled RoPE `rope_scaling`) so that transformers 4.x and 5.x read
+the same RoPE, and `gpuctl: {run, home, checkpoint, step}`: the run that wrote the checkpoint, from its
+config.json) and model.safetensors with the reference implementation's parameter names; no embedding or LM head
+(the engine uses the target's).
 
 Everything is checked before anything is written; the directory is built under a temporary name beside OUT_DIR
 and renamed into place, so an export cut short never looks complete. Bad input (a missing, incomplete, corrupt
@@ -121,7 +122,15 @@ def served_config(c: DrafterConfig, dtype: str) -> dict:
                           "mask_token": c.mask_token},
         "dtype": dtype,
         "torch_dtype": dtype,  # the same, for engines on transformers 4.x (5.x reads `dtype`, warns on this one)
+        **rope_scaling(c.rope_parameters),
     }
+
+
+def rope_scaling(params: dict) -> dict:
+    """A scaled RoPE also as `rope_scaling`, the field transformers 4.x reads it from (5.x: rope_parameters)."""
+    if params.get("rope_type", "default") == "default":
+        return {}
+    return {"rope_scaling": {key: value for key, value in params.items() if key != "rope_theta"}}
 
 
 def provenance(checkpoint: Path) -> dict:

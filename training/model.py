@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from training.attention import AttentionMask, attend
+from training.rope import rope_frequencies
 from training.target import MASK_TOKEN, rope_parameters
 
 
@@ -33,7 +34,7 @@ class DrafterConfig:
     head_dim: int
     intermediate_size: int
     rms_norm_eps: float
-    rope_parameters: dict  # the target's: {"rope_type": "default", "rope_theta": theta} (nothing else is served)
+    rope_parameters: dict  # the target's: {"rope_type": kind, "rope_theta": theta, ...} (training/rope.py)
     vocab_size: int
     num_layers: int
     num_features: int  # how many target layers are concatenated
@@ -88,12 +89,18 @@ def matmul_dtype(device_type: str, default: torch.dtype) -> torch.dtype:
     return default
 
 
-def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [B, 1, T, head_dim] for integer positions [B, T] (the half-rotation layout of Qwen3)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    freqs = positions[..., None].float() * inv_freq
+def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float, inv_freq: torch.Tensor | None = None,
+                  scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, 1, T, head_dim] for integer positions [B, T] (the half-rotation layout of Qwen3); `inv_freq`
+    and `scaling` as training/rope.py gives them for a scaled RoPE (None: plain RoPE of `theta`)."""
+    if inv_freq is None:
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32)
+                                   / head_dim)
+    freqs = positions[..., None].float() * inv_freq.to(positions.device)
     angles = torch.cat([freqs, freqs], dim=-1)[:, None]
-    return angles.cos(), angles.sin()
+    if scaling == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * scaling, angles.sin() * scaling
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -158,6 +165,11 @@ class Drafter(nn.Module):
         self.register_buffer("embed_weight", embedding.detach(), persistent=False)
         self.tied = lm_head is embedding
         self.register_buffer("untied_lm_head", None if self.tied else lm_head.detach(), persistent=False)
+        # The served model's RoPE frequencies and scaling, from the same transformers class (training/rope.py);
+        # float32 whatever dtype the module is cast to, one copy per device it runs on.
+        self.rope_inv_freq, self.rope_scaling = rope_frequencies(c.rope_parameters, c.head_dim,
+                                                                 c.max_position_embeddings, device="cpu")
+        self._rope_on: dict[torch.device, torch.Tensor] = {}
         self.reset_parameters()
 
     @property
@@ -188,8 +200,11 @@ class Drafter(nn.Module):
         block_positions = (anchors[:, :, None] + offsets).reshape(batch, -1)
         context_positions = torch.arange(context_len, device=anchors.device).expand(batch, -1)
         c = self.config
-        rope_q = rotary_tables(block_positions, c.head_dim, c.rope_theta)
-        rope_kv = rotary_tables(torch.cat([context_positions, block_positions], dim=1), c.head_dim, c.rope_theta)
+        if anchors.device not in self._rope_on:
+            self._rope_on[anchors.device] = self.rope_inv_freq.to(anchors.device)
+        rope = (self._rope_on[anchors.device], self.rope_scaling)
+        rope_q = rotary_tables(block_positions, c.head_dim, c.rope_theta, *rope)
+        rope_kv = rotary_tables(torch.cat([context_positions, block_positions], dim=1), c.head_dim, c.rope_theta, *rope)
         for layer in self.layers:
             hidden = layer(hidden, context, rope_q, rope_kv, mask)
         return self.norm(hidden)

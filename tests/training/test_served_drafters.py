@@ -1,5 +1,5 @@
 """The drafters people serve now (issue 31), held to the reference package `dflash` 0.1.0 on the tiny target, on
-the CPU: τ when sampling (the reference's rejection sampling, seeded), warm starts from an export."""
+the CPU: τ when sampling (the reference's rejection sampling, seeded), warm starts from an export, the target's scaled RoPE."""
 
 from __future__ import annotations
 
@@ -13,13 +13,16 @@ import pytest
 import torch
 
 from training.acceptance import main as acceptance_main
+from training.checkpoint import save_checkpoint
 from training.config import load_config
 from training.data import eval_prompts, load_conversations
 from training.evaluate import acceptance_length, build_eval_set
+from training.export import main as export_main
 from training.export import read_export
-from training.model import Drafter
+from training.model import Drafter, DrafterConfig
 from training.target import Target
 from training.train import main as train_main
+from training.trainer import cosine_schedule
 from training.trainer.world import build_drafters
 from training.warm_start import read_warm_start
 
@@ -242,3 +245,122 @@ def test_a_warm_start_that_does_not_fit_is_one_line_exit_2(case, trained_run, ti
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
     assert message in err, err
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# ---- the target's RoPE -----------------------------------------------------------------------------------------
+
+# Each scaled type with its pretraining length at 16 positions, so that the tests' contexts (40-90 positions) are
+# well past it.
+SCALED_ROPE = {
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+}
+
+
+def target_with(world, where: Path, **config_changes) -> Path:
+    path = Path(shutil.copytree(world.target, where / "target"))
+    config = json.loads((path / "config.json").read_text())
+    config.update(config_changes)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def exported_drafter(target: Target, where: Path, drafter_config: DrafterConfig) -> tuple[Drafter, Path]:
+    """A freshly initialised drafter (seed 0) for `target`, checkpointed as the trainer does and exported in
+    float32."""
+    torch.manual_seed(0)
+    drafter = Drafter(drafter_config, target.model.get_input_embeddings().weight,
+                      target.model.get_output_embeddings().weight)
+    optimizer = torch.optim.AdamW(drafter.parameters())
+    save_checkpoint(where / "run", 0, drafter, optimizer, cosine_schedule(optimizer, 10, 0.1), {}, {}, keep=1)
+    assert export_main([str(where / "run"), str(where / "export"), "--dtype", "float32"]) == 0
+    return drafter.eval(), where / "export"
+
+
+def reference_hidden_states(model, target: Target, ids: torch.Tensor, anchors: list[int]) -> list[torch.Tensor]:
+    """The reference drafter's final hidden states for the block at each anchor (its context: every position
+    before it, its block: the anchor token then mask_token_id), one reference forward per anchor."""
+    with torch.no_grad():
+        features = reference.extract_context_feature(target.model(ids, output_hidden_states=True).hidden_states,
+                                                     model.target_layer_ids)
+        embedding = target.model.get_input_embeddings().weight
+        states = []
+        for anchor in anchors:
+            block_ids = torch.full((1, model.block_size), model.mask_token_id)
+            block_ids[0, 0] = ids[0, anchor]
+            states.append(model(target_hidden=features[:, :anchor], noise_embedding=embedding[block_ids],
+                                position_ids=torch.arange(anchor + model.block_size)[None])[0])
+    return states
+
+
+def trainer_hidden_states(drafter: Drafter, target: Target, ids: torch.Tensor, anchors: list[int]) -> torch.Tensor:
+    """The trainer drafter's, every anchor in one forward (and a padding block), [anchors, block, D]."""
+    from training.attention import build_mask
+
+    block = drafter.config.block_size
+    at = torch.tensor([anchors + [0]])
+    valid = torch.tensor([[True] * len(anchors) + [False]])
+    with torch.no_grad():
+        mask = build_mask("sdpa", at, valid, ids.shape[1], block)
+        hidden = drafter(target.features(ids), ids.gather(1, at), at, mask)
+    return hidden.view(len(anchors) + 1, block, -1)[: len(anchors)]
+
+
+def long_sequence(world, target: Target, length: int) -> torch.Tensor:
+    tokens: list[int] = []
+    for prompt in prompts(world, target, 16):
+        tokens += prompt + target.generate_greedy([prompt], NEW_TOKENS)[0]
+        if len(tokens) >= length:
+            return torch.tensor([tokens[:length]])
+    raise AssertionError("the eval prompts are too short")
+
+
+@pytest.mark.parametrize("kind", sorted(SCALED_ROPE))
+def test_a_scaled_rope_drafter_computes_what_the_reference_computes(kind, tiny_world, tmp_path, monkeypatch):
+    """A target with a scaled RoPE: the trainer takes it (no refusal); its drafter's hidden states equal the
+    reference's (loaded from the float32 export, RoPE from its rope_parameters) within 1e-4 at anchors up to 80
+    positions, far past the scaling's pretraining length, where plain RoPE would be 1e-3 off or more; its
+    proposals equal the reference's at every step of the reference's greedy loop on 4 prompts."""
+    rope = {**SCALED_ROPE[kind], "rope_theta": 10000.0}
+    target = Target.load(str(target_with(tiny_world, tmp_path, rope_parameters=rope)), "cpu", torch.float32)
+    config = DrafterConfig.from_target(target.config, 2, 8, target.layers, target.mask_token_id)
+    assert config.rope_parameters["rope_type"] == kind
+    drafter, export = exported_drafter(target, tmp_path, config)
+    model = served(export)
+    assert model.rotary_emb.rope_type == kind
+    ids, anchors = long_sequence(tiny_world, target, 90), [3, 17, 40, 63, 80]
+    theirs = reference_hidden_states(model, target, ids, anchors)
+    ours = trainer_hidden_states(drafter, target, ids, anchors)
+    plain = Drafter(DrafterConfig(**{**config.to_dict(), "rope_parameters": {"rope_type": "default",
+                                                                             "rope_theta": 10000.0}}),
+                    drafter.embed_weight, drafter.untied_lm_head)
+    plain.load_state_dict(drafter.state_dict())
+    plain_states = trainer_hidden_states(plain.eval(), target, ids, anchors)
+    for n in range(len(anchors)):
+        torch.testing.assert_close(ours[n], theirs[n], rtol=0, atol=1e-4)
+    assert max((plain_states[n] - theirs[n]).abs().max() for n in range(len(anchors))) > 1e-3
+    compared = 0
+    for prompt in prompts(tiny_world, target, 4):
+        steps = reference_proposals(model, target, prompt, monkeypatch)
+        for step, proposed in zip(steps, trainer_proposals(drafter, steps)):
+            assert torch.equal(proposed, step["proposed"]), (step["positions"], proposed, step["proposed"])
+            compared += 1
+    assert compared >= 8
+
+
+def test_a_dynamic_rope_is_refused_in_one_line_before_the_weights_load(tiny_world, tmp_path, capsys, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the target's weights were loaded before the refusal")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    target = target_with(tiny_world, tmp_path, rope_parameters=rope)
+    code = train_main(sets_for(tiny_world, tmp_path / "run", f"target_path={target}"))
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert "RoPE is 'dynamic'" in err and "longest position" in err, err
+
