@@ -24,7 +24,8 @@ NODE_BACKENDS = ("auto", "nccl", "gloo")
 REPORT_TO = ("tensorboard", "wandb", "mlflow")  # training/reporters.py
 TOML_OPENERS = ("[", "{")  # a --set value starting so is meant as a TOML list or table, never as text
 TOPOLOGY = re.compile(r"^(\d+):(\d+)$")
-RANDOM_TARGETS = ("qwen3-8b", "qwen3-8b-narrow")  # training/random_world.py builds them
+RANDOM_TARGETS = ("qwen3-8b", "qwen3-8b-narrow")
+LAYER_TYPES = ("full_attention", "sliding_attention")  # the served config's layer_types  # training/random_world.py builds them
 
 
 class ConfigError(ValueError):
@@ -77,6 +78,10 @@ class TrainConfig:
     num_anchors: int = 512
     num_draft_layers: int = 5
     target_layers: list[int] = field(default_factory=list)  # [] = 5 layers from the second to the third-last
+    # Per drafter layer "full_attention" or "sliding_attention" ([] = all full); a sliding layer's block tokens
+    # see the keys fewer than sliding_window positions away (the served model's sliding-window mask).
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int = 0
     gamma: float = 7.0
     loss_chunk_size: int = 2048  # block positions per chunk of the vocabulary-wide cross-entropy
 
@@ -156,6 +161,7 @@ class TrainConfig:
         if any(step < 1 for step in self.debug_nan_steps):
             raise ConfigError(f"debug_nan_steps must be step numbers >= 1, got {self.debug_nan_steps}")
         self._check_target_source()
+        self._check_layer_types()
         if any(layer < 0 for layer in self.target_layers):
             raise ConfigError(f"target_layers must be layer indices >= 0, got {self.target_layers}")
         parse_devices(self.devices, "devices")
@@ -180,6 +186,17 @@ class TrainConfig:
             raise ConfigError("build_tiny and target_gguf both make target_path: set one of them")
         if isinstance(self.mask_token, int) and self.mask_token < 0:
             raise ConfigError(f"mask_token must be a token string or an id >= 0, got {self.mask_token}")
+
+    def _check_layer_types(self) -> None:
+        if self.layer_types and len(self.layer_types) != self.num_draft_layers:
+            raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_draft_layers} drafter "
+                              "layers (num_draft_layers)")
+        if set(self.layer_types) - set(LAYER_TYPES):
+            raise ConfigError(f"layer_types takes {', '.join(LAYER_TYPES)}, got {self.layer_types}")
+        sliding = "sliding_attention" in self.layer_types
+        if sliding != (self.sliding_window > 0) or self.sliding_window < 0:
+            raise ConfigError(f"sliding_window ({self.sliding_window}) must be > 0 exactly when layer_types has a "
+                              "sliding_attention layer")
 
     def micro_batch_rows(self) -> int:
         """Sequences per micro-batch."""

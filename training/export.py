@@ -86,11 +86,21 @@ def read_export(path: str | Path) -> tuple[DrafterConfig, dict[str, torch.Tensor
             num_layers=c["num_hidden_layers"], num_features=len(dflash["target_layer_ids"]),
             block_size=c["block_size"], target_layers=list(dflash["target_layer_ids"]),
             mask_token_id=dflash["mask_token_id"], num_target_layers=c["num_target_layers"],
-            max_position_embeddings=c["max_position_embeddings"], mask_token=dflash.get("mask_token", MASK_TOKEN))
+            max_position_embeddings=c["max_position_embeddings"], mask_token=dflash.get("mask_token", MASK_TOKEN),
+            **served_attention_layers(c))
         weights = {trainer_name(name): t for name, t in load_file(path / "model.safetensors").items()}
     except (OSError, ValueError, KeyError, TypeError, SafetensorError) as err:
         raise ConfigError(f"{path} is not a readable DFlash export ({type(err).__name__}: {err})") from None
     return config, weights
+
+
+def served_attention_layers(c: dict) -> dict:
+    """An export's sliding-window layers as DrafterConfig fields; a causal drafter is not this trainer's."""
+    if c.get("is_causal"):
+        raise ValueError("its config says is_causal: this trainer's drafters attend both ways")
+    if not c.get("use_sliding_window") or "sliding_attention" not in (c.get("layer_types") or []):
+        return {}
+    return {"layer_types": list(c["layer_types"]), "sliding_window": int(c["sliding_window"])}
 
 
 def served_config(c: DrafterConfig, dtype: str) -> dict:
@@ -107,7 +117,7 @@ def served_config(c: DrafterConfig, dtype: str) -> dict:
         "rms_norm_eps": c.rms_norm_eps,
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "use_sliding_window": False,
+        "use_sliding_window": c.attention_window is not None,
         "rope_theta": c.rope_theta,
         "rope_parameters": dict(c.rope_parameters),
         "max_position_embeddings": c.max_position_embeddings,
@@ -123,7 +133,16 @@ def served_config(c: DrafterConfig, dtype: str) -> dict:
         "dtype": dtype,
         "torch_dtype": dtype,  # the same, for engines on transformers 4.x (5.x reads `dtype`, warns on this one)
         **rope_scaling(c.rope_parameters),
+        **attention_layers(c),
     }
+
+
+def attention_layers(c: DrafterConfig) -> dict:
+    """Causality, always said (the reference and vLLM take a sliding-window drafter layer as causal unless the
+    config says otherwise; this drafter attends both ways in every layer), and the sliding-window layers."""
+    if c.attention_window is None:
+        return {"is_causal": False}
+    return {"is_causal": False, "layer_types": list(c.layer_types), "sliding_window": c.sliding_window}
 
 
 def rope_scaling(params: dict) -> dict:

@@ -44,10 +44,15 @@ class DrafterConfig:
     num_target_layers: int
     max_position_embeddings: int  # the target's
     mask_token: str = MASK_TOKEN  # the token string of mask_token_id (checkpoints before it had <|MASK|>)
+    # Per drafter layer "full_attention" or "sliding_attention" (None: all full), and the sliding layers' window:
+    # a block token sees the keys fewer than `sliding_window` positions away, either way (non-causal).
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
 
     @classmethod
     def from_target(cls, target_config, num_layers: int, block_size: int, target_layers: list[int],
-                    mask_token_id: int, mask_token: str = MASK_TOKEN) -> DrafterConfig:
+                    mask_token_id: int, mask_token: str = MASK_TOKEN, layer_types: list[str] | None = None,
+                    sliding_window: int | None = None) -> DrafterConfig:
         hidden = target_config.hidden_size
         heads = target_config.num_attention_heads
         return cls(
@@ -60,7 +65,13 @@ class DrafterConfig:
             target_layers=list(target_layers), mask_token_id=mask_token_id,
             num_target_layers=target_config.num_hidden_layers,
             max_position_embeddings=target_config.max_position_embeddings, mask_token=mask_token,
+            layer_types=list(layer_types) if layer_types else None, sliding_window=sliding_window or None,
         )
+
+    @property
+    def attention_window(self) -> int | None:
+        """The sliding layers' window, None when every layer attends fully."""
+        return self.sliding_window if self.layer_types and "sliding_attention" in self.layer_types else None
 
     @property
     def rope_theta(self) -> float:
@@ -116,6 +127,7 @@ class DraftLayer(nn.Module):
         super().__init__()
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.sliding = False  # a sliding-window layer (set by Drafter from config.layer_types)
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
@@ -159,6 +171,8 @@ class Drafter(nn.Module):
         self.fc = nn.Linear(c.num_features * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
+        for layer, kind in zip(self.layers, c.layer_types or []):
+            layer.sliding = kind == "sliding_attention"  # attends through the mask's `.sliding`
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         # The target's own embedding and LM head, frozen: buffers stay out of the optimizer and the checkpoint.
         # A tied target's one table is one buffer, so a copy to another device stays one copy.
@@ -206,7 +220,7 @@ class Drafter(nn.Module):
         rope_q = rotary_tables(block_positions, c.head_dim, c.rope_theta, *rope)
         rope_kv = rotary_tables(torch.cat([context_positions, block_positions], dim=1), c.head_dim, c.rope_theta, *rope)
         for layer in self.layers:
-            hidden = layer(hidden, context, rope_q, rope_kv, mask)
+            hidden = layer(hidden, context, rope_q, rope_kv, mask.sliding if layer.sliding else mask)
         return self.norm(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

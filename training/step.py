@@ -25,7 +25,8 @@ def drafter_stage(drafter: Drafter, features: torch.Tensor, batch: Batch, backen
     """Forward pass and loss; `batch` must already be on the drafter's device. The flex backend calls
     `flex_attention` (see training/attention.py)."""
     block = drafter.config.block_size
-    mask = build_mask(backend, batch.anchors, batch.block_valid, batch.input_ids.shape[1], block, flex_attention)
+    mask = build_mask(backend, batch.anchors, batch.block_valid, batch.input_ids.shape[1], block, flex_attention,
+                      sliding_window=drafter.config.attention_window)
     labels, weights = block_targets(batch.input_ids, batch.loss_mask, batch.anchors, batch.block_valid, block, gamma)
     with autocast(features.device, dtype):
         anchor_tokens = batch.input_ids.gather(1, batch.anchors)

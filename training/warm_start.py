@@ -30,6 +30,7 @@ MATCHED = (
     ("rms_norm_eps", "the target's rms_norm_eps"), ("vocab_size", "the target's vocabulary"),
     ("num_target_layers", "the target's layer count"), ("target_layers", "target_layers"),
     ("rope_parameters", "the target's RoPE"), ("mask_token_id", "the mask token's id"),
+    ("layer_types", "layer_types"), ("sliding_window", "sliding_window"),
 )
 
 

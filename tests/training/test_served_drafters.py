@@ -168,7 +168,7 @@ def trainer_proposals(drafter: Drafter, steps: list[dict]) -> list[torch.Tensor]
         assert context.shape[1] == anchor
         anchors = torch.tensor([[anchor]])
         mask = build_mask("sdpa", anchors, torch.tensor([[True]]), anchor, drafter.config.block_size,
-                          block_lengths=torch.tensor([[length]]))
+                          block_lengths=torch.tensor([[length]]), sliding_window=drafter.config.attention_window)
         with torch.no_grad():
             hidden = drafter(context, step["block"][:, :1], anchors, mask)
             proposals.append(drafter.logits(hidden[:, 1:length]).argmax(dim=-1))
@@ -303,7 +303,7 @@ def trainer_hidden_states(drafter: Drafter, target: Target, ids: torch.Tensor, a
     at = torch.tensor([anchors + [0]])
     valid = torch.tensor([[True] * len(anchors) + [False]])
     with torch.no_grad():
-        mask = build_mask("sdpa", at, valid, ids.shape[1], block)
+        mask = build_mask("sdpa", at, valid, ids.shape[1], block, sliding_window=drafter.config.attention_window)
         hidden = drafter(target.features(ids), ids.gather(1, at), at, mask)
     return hidden.view(len(anchors) + 1, block, -1)[: len(anchors)]
 
@@ -364,3 +364,80 @@ def test_a_dynamic_rope_is_refused_in_one_line_before_the_weights_load(tiny_worl
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
     assert "RoPE is 'dynamic'" in err and "longest position" in err, err
 
+
+# ---- sliding-window layers ---------------------------------------------------------------------------------
+
+WINDOW = 5  # under the block (8) and far under the contexts (up to 80 positions): both sides of the window bite
+
+
+@pytest.mark.parametrize("layer_types", [["sliding_attention", "full_attention"],
+                                         ["sliding_attention", "sliding_attention"]])
+def test_a_sliding_window_drafter_computes_what_the_reference_computes(layer_types, target, tiny_world, tmp_path,
+                                                                       monkeypatch):
+    """Sliding-window layers (window 5) with contexts up to 80 positions: the export says is_causal false and
+    its layer_types; the reference builds its sliding layers non-causal with that window; the trainer drafter's
+    hidden states (its dense training mask within the window) equal the reference's (the mask it builds at
+    serve time, `_attention_mask`) within 1e-4 at every anchor, where the same weights attending fully are 1e-3
+    off or more; its proposals equal the reference's at every step of the greedy loop, where the loop's draft
+    cache keeps only the window's last keys."""
+    config = DrafterConfig.from_target(target.config, 2, 8, target.layers, target.mask_token_id,
+                                       layer_types=layer_types, sliding_window=WINDOW)
+    drafter, export = exported_drafter(target, tmp_path, config)
+    served_config = json.loads((export / "config.json").read_text())
+    assert served_config["is_causal"] is False and served_config["use_sliding_window"] is True
+    assert served_config["layer_types"] == layer_types and served_config["sliding_window"] == WINDOW
+    model = served(export)
+    for layer, kind in zip(model.layers, layer_types):
+        assert layer.self_attn.is_causal is False
+        assert layer.self_attn.sliding_window == (WINDOW if kind == "sliding_attention" else None)
+    assert read_export(export)[0] == config
+    ids, anchors = long_sequence(tiny_world, target, 90), [3, 17, 40, 63, 80]
+    theirs = reference_hidden_states(model, target, ids, anchors)
+    ours = trainer_hidden_states(drafter, target, ids, anchors)
+    full = Drafter(DrafterConfig(**{**config.to_dict(), "layer_types": None, "sliding_window": None}),
+                   drafter.embed_weight, drafter.untied_lm_head)
+    full.load_state_dict(drafter.state_dict())
+    full_states = trainer_hidden_states(full.eval(), target, ids, anchors)
+    for n in range(len(anchors)):
+        torch.testing.assert_close(ours[n], theirs[n], rtol=0, atol=1e-4)
+    assert max((full_states[n] - theirs[n]).abs().max() for n in range(len(anchors))) > 1e-3
+    compared = 0
+    for prompt in prompts(tiny_world, target, 4):
+        steps = reference_proposals(model, target, prompt, monkeypatch)
+        assert int(steps[-1]["positions"][0, -1]) > 3 * WINDOW  # the loop went far past the window
+        for step, proposed in zip(steps, trainer_proposals(drafter, steps)):
+            assert torch.equal(proposed, step["proposed"]), (step["positions"], proposed, step["proposed"])
+            compared += 1
+    assert compared >= 8
+
+
+def test_a_sliding_window_run_trains_and_exports_what_the_reference_loads(trained_run, tiny_world, tmp_path):
+    """A run with a sliding layer trains (its loss falls), exports with causality and layer types written, and
+    the reference loads it strictly; a run without says is_causal false and nothing of windows."""
+    out = tmp_path / "run"
+    assert train_main(sets_for(tiny_world, out, 'layer_types=["sliding_attention", "full_attention"]',
+                               f"sliding_window={WINDOW}", "max_steps=20", "log_every=5")) == 0
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
+              if "loss" in json.loads(line)]
+    assert losses[-1] < losses[0]
+    config = json.loads((out / "export" / "config.json").read_text())
+    assert (config["is_causal"], config["layer_types"], config["sliding_window"]) == (
+        False, ["sliding_attention", "full_attention"], WINDOW)
+    assert served(out / "export").layers[0].self_attn.sliding_window == WINDOW
+    plain = json.loads((trained_run / "export" / "config.json").read_text())
+    assert plain["is_causal"] is False and plain["use_sliding_window"] is False and "layer_types" not in plain
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (['layer_types=["sliding_attention"]', "sliding_window=4"], "layer_types has 1 entries for 2 drafter layers"),
+    (['layer_types=["sliding_attention", "local"]', "sliding_window=4"], "layer_types takes"),
+    (['layer_types=["sliding_attention", "full_attention"]'], "sliding_window (0) must be > 0 exactly when"),
+    (["sliding_window=4"], "sliding_window (4) must be > 0 exactly when"),
+    (['layer_types=["sliding_attention", "full_attention"]', "sliding_window=4", "attention=flex"],
+     "train with attention=sdpa"),
+])
+def test_bad_sliding_window_settings_are_one_line_exit_2(overrides, message, tiny_world, tmp_path, capsys):
+    code = train_main(sets_for(tiny_world, tmp_path / "run", *overrides))
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert message in err, err

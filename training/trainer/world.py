@@ -48,6 +48,9 @@ def pick_layout(config: TrainConfig) -> tuple[Layout | None, list[torch.device],
     # Auto may put a drafter replica on any of its devices.
     replica_devices = [torch.device(d) for d in layout.replica_devices] if layout is not None else devices
     backend = resolve_backend(config.attention, replica_devices[0])
+    if backend == "flex" and config.sliding_window:
+        raise ConfigError("sliding-window drafter layers (layer_types) train with attention=sdpa for now: the flex "
+                          "block mask has no window yet")
     if backend == "flex" and any(device.type != "cuda" for device in replica_devices):
         raise ConfigError("attention=flex needs a CUDA device for every drafter (torch refuses "
                           "flex_attention's backward on the CPU); use sdpa or auto")
@@ -104,7 +107,8 @@ def build_drafters(config: TrainConfig, target: Target, devices: list[torch.devi
     """Identical drafter replicas, one per drafter device, on the target's frozen embedding and LM head;
     with `warm` (init_from), holding its weights."""
     drafter_config = DrafterConfig.from_target(target.config, config.num_draft_layers, config.block_size,
-                                               target.layers, target.mask_token_id, target.mask_token)
+                                               target.layers, target.mask_token_id, target.mask_token,
+                                               config.layer_types, config.sliding_window)
     embedding = target.model.get_input_embeddings().weight.to(devices[0])
     head = target.model.get_output_embeddings().weight
     # A tied target (SmolLM2) has one table for both: the drafter keeps one copy of it on each device.
