@@ -413,10 +413,12 @@ def test_a_sliding_window_drafter_computes_what_the_reference_computes(layer_typ
 
 def test_a_sliding_window_run_trains_and_exports_what_the_reference_loads(trained_run, tiny_world, tmp_path):
     """A run with a sliding layer trains (its loss falls), exports with causality and layer types written, and
-    the reference loads it strictly; a run without says is_causal false and nothing of windows."""
+    the reference loads it strictly; the acceptance command's reference loop and the trainer's τ (its evaluation,
+    the same window) agree step by step on every prompt, losslessly; a run without says is_causal false and
+    nothing of windows."""
     out = tmp_path / "run"
     assert train_main(sets_for(tiny_world, out, 'layer_types=["sliding_attention", "full_attention"]',
-                               f"sliding_window={WINDOW}", "max_steps=20", "log_every=5")) == 0
+                               f"sliding_window={WINDOW}", "max_steps=30", "log_every=5")) == 0
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
               if "loss" in json.loads(line)]
     assert losses[-1] < losses[0]
@@ -424,6 +426,14 @@ def test_a_sliding_window_run_trains_and_exports_what_the_reference_loads(traine
     assert (config["is_causal"], config["layer_types"], config["sliding_window"]) == (
         False, ["sliding_attention", "full_attention"], WINDOW)
     assert served(out / "export").layers[0].self_attn.sliding_window == WINDOW
+    report = tmp_path / "acceptance.json"
+    assert acceptance_main(["--export", str(out / "export"), "--target", str(tiny_world.target), "--prompts",
+                            str(prompt_file(tiny_world, tmp_path, 6)), "--new-tokens", "48", "--dtype", "float32",
+                            "--json", str(report)]) == 0
+    figures = json.loads(report.read_text())
+    assert all(p["lossless"] for p in figures["prompts"])
+    assert [p["served_steps"] for p in figures["prompts"]] == [p["trainer_steps"] for p in figures["prompts"]]
+    assert figures["sets"]["prompts"]["served_tau"] > 1.2
     plain = json.loads((trained_run / "export" / "config.json").read_text())
     assert plain["is_causal"] is False and plain["use_sliding_window"] is False and "layer_types" not in plain
 
