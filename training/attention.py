@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 from torch.nn.attention.flex_attention import flex_attention as uncompiled_flex_attention
 
-from training.mask import build_block_mask, dense_mask
+from training.mask import build_block_mask, dense_mask, sliding_window_mask
 
 # Called like flex_attention(q, k, v, block_mask=..., enable_gqa=...): a SharedFlexAttention or a compiled one.
 FlexAttention = Callable[..., torch.Tensor]
@@ -44,15 +44,24 @@ class AttentionMask:
     dense: torch.Tensor | None = None  # sdpa: [B, 1, Q, KV] bool, empty rows opened (see below)
     row_visible: torch.Tensor | None = None  # sdpa: [B, 1, Q, 1], False for rows that see nothing
     flex_attention: FlexAttention | None = None  # flex: the compiled function every layer calls
+    sliding: AttentionMask | None = None  # the same mask within a sliding window, for sliding-window layers
 
 
 def build_mask(backend: str, anchors: torch.Tensor, block_valid: torch.Tensor, context_len: int,
                block_size: int, flex_attention: FlexAttention | None = None,
-               block_lengths: torch.Tensor | None = None) -> AttentionMask:
+               block_lengths: torch.Tensor | None = None, sliding_window: int | None = None) -> AttentionMask:
     """The DFlash mask for one batch, on the anchors' device; the flex backend needs the compiled
     `flex_attention` to call (the SDPA one ignores it). `block_lengths` [B, N] (SDPA only, for evaluation):
     the tokens of each block that exist, as in the serving loop's last step, whose block is cut at its
-    max_length (the keys past them are hidden: block attention is not causal, so they would change the rest)."""
+    max_length (the keys past them are hidden: block attention is not causal, so they would change the rest).
+    `sliding_window` (SDPA only): also the mask of the drafter's sliding-window layers, as `.sliding`."""
+    if sliding_window is not None:
+        if backend != "sdpa":
+            raise ValueError("sliding-window drafter layers train with attention sdpa (no flex block mask yet)")
+        full = build_mask(backend, anchors, block_valid, context_len, block_size, block_lengths=block_lengths)
+        window = sliding_window_mask(anchors, context_len, block_size, sliding_window)[:, None]
+        full.sliding = _sdpa_mask(full.dense & full.row_visible & window)
+        return full
     if backend == "flex":
         if flex_attention is None:
             raise ValueError("attention backend 'flex' needs a compiled flex_attention: the trainer's "
@@ -66,9 +75,14 @@ def build_mask(backend: str, anchors: torch.Tensor, block_valid: torch.Tensor, c
         offsets = torch.arange(block_size, device=anchors.device)
         exists = (offsets < block_lengths[..., None]).reshape(anchors.shape[0], 1, -1)
         dense[:, :, context_len:] &= exists
+    return _sdpa_mask(dense[:, None])
+
+
+def _sdpa_mask(dense: torch.Tensor) -> AttentionMask:
+    """dense [B, 1, Q, KV] bool as SDPA takes it."""
     visible = dense.any(dim=-1, keepdim=True)
     # SDPA turns a fully masked row into NaN (softmax over nothing); let it attend anywhere and zero it after.
-    return AttentionMask("sdpa", dense=(dense | ~visible)[:, None], row_visible=visible[:, None])
+    return AttentionMask("sdpa", dense=dense | ~visible, row_visible=visible)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:

@@ -27,6 +27,7 @@ TOML_OPENERS = ("[", "{")  # a --set value starting so is meant as a TOML list o
 TOPOLOGY = re.compile(r"^(\d+):(\d+)$")
 RANDOM_TARGETS = ("qwen3-8b", "qwen3-8b-narrow")  # training/random_world.py builds them
 ARCHITECTURES = ("dflash", "dflash2")  # training/model.py, training/dflash2.py
+LAYER_TYPES = ("full_attention", "sliding_attention")  # the served config's layer_types
 
 
 class ConfigError(ValueError):
@@ -53,6 +54,9 @@ class TrainConfig:
     # The token at the block's masked positions: a token string or id the target's tokenizer has. "" =
     # <|MASK|> (added to the tokenizer where its embedding table has a free row for it).
     mask_token: str | int = ""
+    # Start from this drafter instead of a random one: an exported drafter directory (`python -m training.export`,
+    # or a run's <output_dir>/export), fine-tuned from there (training/warm_start.py). "" = a fresh drafter.
+    init_from: str = ""
     overwrite_output: bool = False  # with output_dir set: a fresh run may delete an earlier run's files there
     enable_thinking: bool = False  # the chat template's thinking switch (Qwen3); what the data was generated with
     skip_bad_data: bool = False  # skip data lines that are not conversations (counted in the log) instead of exit 2
@@ -76,6 +80,10 @@ class TrainConfig:
     num_anchors: int = 512
     num_draft_layers: int = 5
     target_layers: list[int] = field(default_factory=list)  # [] = 5 layers from the second to the third-last
+    # Per drafter layer "full_attention" or "sliding_attention" ([] = all full); a sliding layer's block tokens
+    # see the keys fewer than sliding_window positions away (the served model's sliding-window mask).
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int = 0
     gamma: float = 7.0
     loss_chunk_size: int = 2048  # block positions per chunk of the vocabulary-wide cross-entropy
 
@@ -170,6 +178,7 @@ class TrainConfig:
         if any(step < 1 for step in self.debug_nan_steps):
             raise ConfigError(f"debug_nan_steps must be step numbers >= 1, got {self.debug_nan_steps}")
         self._check_target_source()
+        self._check_layer_types()
         if any(layer < 0 for layer in self.target_layers):
             raise ConfigError(f"target_layers must be layer indices >= 0, got {self.target_layers}")
         parse_devices(self.devices, "devices")
@@ -216,6 +225,17 @@ class TrainConfig:
         return {"architecture": "dflash2", "conv_kernel_size": self.conv_kernel_size,
                 "conv_group_size": self.conv_group_size, "selector_rank": self.selector_rank,
                 "selector_top_k": self.selector_top_k}
+
+    def _check_layer_types(self) -> None:
+        if self.layer_types and len(self.layer_types) != self.num_draft_layers:
+            raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_draft_layers} drafter "
+                              "layers (num_draft_layers)")
+        if set(self.layer_types) - set(LAYER_TYPES):
+            raise ConfigError(f"layer_types takes {', '.join(LAYER_TYPES)}, got {self.layer_types}")
+        sliding = "sliding_attention" in self.layer_types
+        if sliding != (self.sliding_window > 0) or self.sliding_window < 0:
+            raise ConfigError(f"sliding_window ({self.sliding_window}) must be > 0 exactly when layer_types has a "
+                              "sliding_attention layer")
 
     def micro_batch_rows(self) -> int:
         """Sequences per micro-batch."""

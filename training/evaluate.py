@@ -70,7 +70,8 @@ def produced_per_step(drafter: Drafter, evalset: EvalSet, dtype: torch.dtype) ->
     while bool(active.any()):
         at = anchors.clamp(max=width - 1)[:, None]  # finished rows may point one past the end; they are masked
         verify = (limits - anchors).clamp(min=1, max=block)  # the block the loop verifies: cut at max_length
-        mask = build_mask("sdpa", at, active[:, None], width, block, block_lengths=verify[:, None])
+        mask = build_mask("sdpa", at, active[:, None], width, block, block_lengths=verify[:, None],
+                          sliding_window=drafter.config.attention_window)
         with autocast(evalset.tokens.device, dtype):
             anchor_tokens = evalset.tokens.gather(1, at)
             hidden = drafter(evalset.features, anchor_tokens, at, mask)

@@ -7,9 +7,10 @@ directory. OUT_DIR receives config.json (a Qwen3 config with `architectures: ["D
 ["DFlash2DraftModel"] for a DFlash2 drafter, `num_target_layers`, `block_size`, `dflash_config:
 {target_layer_ids, mask_token_id, mask_token}` (DFlash2 adds conv_kernel_size, conv_group_size, selector_rank,
 selector_top_k, output_multiplier and final_logit_softcapping, the fields SGLang's parser takes together), both
-`rope_theta` and `rope_parameters` so that transformers 4.x and 5.x read the same RoPE, and `gpuctl: {run, home,
-checkpoint, step}`: the run that wrote the checkpoint, from its config.json) and model.safetensors with the
-reference implementation's parameter names; no embedding or LM head (the engine uses the target's).
+`rope_theta` and `rope_parameters` (and for a scaled RoPE `rope_scaling`) so that transformers 4.x and 5.x read
+the same RoPE, and `gpuctl: {run, home, checkpoint, step}`: the run that wrote the checkpoint, from its
+config.json) and model.safetensors with the reference implementation's parameter names; no embedding or LM head
+(the engine uses the target's).
 
 Everything is checked before anything is written; the directory is built under a temporary name beside OUT_DIR
 and renamed into place, so an export cut short never looks complete. Bad input (a missing, incomplete, corrupt
@@ -100,7 +101,7 @@ def read_export(path: str | Path) -> tuple[DrafterConfig, dict[str, torch.Tensor
             block_size=c["block_size"], target_layers=list(dflash["target_layer_ids"]),
             mask_token_id=dflash["mask_token_id"], num_target_layers=c["num_target_layers"],
             max_position_embeddings=c["max_position_embeddings"], mask_token=dflash.get("mask_token", MASK_TOKEN),
-            **served_dflash2_fields(c))
+            **served_dflash2_fields(c), **served_attention_layers(c))
         weights = {trainer_name(name): t for name, t in load_file(path / "model.safetensors").items()}
     except (OSError, ValueError, KeyError, TypeError, SafetensorError) as err:
         raise ConfigError(f"{path} is not a readable DFlash export ({type(err).__name__}: {err})") from None
@@ -115,6 +116,13 @@ def served_dflash2_fields(c: dict) -> dict:
         raise ValueError(f"architectures {c['architectures']} is neither DFlash's nor DFlash2's")
     dflash = c["dflash_config"]
     return {"architecture": "dflash2", **{name: dflash[name] for name in SERVED_DFLASH2_FIELDS}}
+def served_attention_layers(c: dict) -> dict:
+    """An export's sliding-window layers as DrafterConfig fields; a causal drafter is not this trainer's."""
+    if c.get("is_causal"):
+        raise ValueError("its config says is_causal: this trainer's drafters attend both ways")
+    if not c.get("use_sliding_window") or "sliding_attention" not in (c.get("layer_types") or []):
+        return {}
+    return {"layer_types": list(c["layer_types"]), "sliding_window": int(c["sliding_window"])}
 
 
 def served_config(c: DrafterConfig, dtype: str) -> dict:
@@ -132,7 +140,7 @@ def served_config(c: DrafterConfig, dtype: str) -> dict:
         "rms_norm_eps": c.rms_norm_eps,
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "use_sliding_window": False,
+        "use_sliding_window": c.attention_window is not None,
         "rope_theta": c.rope_theta,
         "rope_parameters": dict(c.rope_parameters),
         "max_position_embeddings": c.max_position_embeddings,
@@ -147,7 +155,24 @@ def served_config(c: DrafterConfig, dtype: str) -> dict:
                           "mask_token": c.mask_token, **dflash2},
         "dtype": dtype,
         "torch_dtype": dtype,  # the same, for engines on transformers 4.x (5.x reads `dtype`, warns on this one)
+        **rope_scaling(c.rope_parameters),
+        **attention_layers(c),
     }
+
+
+def attention_layers(c: DrafterConfig) -> dict:
+    """Causality, always said (the reference and vLLM take a sliding-window drafter layer as causal unless the
+    config says otherwise; this drafter attends both ways in every layer), and the sliding-window layers."""
+    if c.attention_window is None:
+        return {"is_causal": False}
+    return {"is_causal": False, "layer_types": list(c.layer_types), "sliding_window": c.sliding_window}
+
+
+def rope_scaling(params: dict) -> dict:
+    """A scaled RoPE also as `rope_scaling`, the field transformers 4.x reads it from (5.x: rope_parameters)."""
+    if params.get("rope_type", "default") == "default":
+        return {}
+    return {"rope_scaling": {key: value for key, value in params.items() if key != "rope_theta"}}
 
 
 def provenance(checkpoint: Path) -> dict:

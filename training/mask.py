@@ -111,3 +111,16 @@ def dense_mask(anchors: torch.Tensor, block_valid: torch.Tensor, context_len: in
     q = torch.arange(q_len, device=device)[None, :, None]
     kv = torch.arange(context_len + q_len, device=device)[None, None, :]
     return mask_mod(b, None, q, kv)
+
+
+def sliding_window_mask(anchors: torch.Tensor, context_len: int, block_size: int, window: int) -> torch.Tensor:
+    """[B, Q, KV] bool: the pairs within `window` positions of each other, either way, as the served model's
+    sliding-window layers see them (the reference's `_attention_mask(..., is_causal=False, sliding_window=W)`:
+    |query position - key position| < W). Positions: context key i is at i; block n's token k at anchor_n + k.
+    Combined with `dense_mask`, which keeps each query to the context before its anchor and its own block."""
+    batch = anchors.shape[0]
+    offsets = torch.arange(block_size, device=anchors.device)
+    block_positions = (anchors[:, :, None] + offsets).reshape(batch, -1)  # [B, Q]
+    context_positions = torch.arange(context_len, device=anchors.device).expand(batch, -1)
+    key_positions = torch.cat([context_positions, block_positions], dim=1)  # [B, KV]
+    return (block_positions[:, :, None] - key_positions[:, None, :]).abs() < window

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from training.attention import AttentionMask, attend
+from training.rope import rope_frequencies
 from training.target import MASK_TOKEN, rope_parameters
 
 
@@ -34,7 +35,7 @@ class DrafterConfig:
     head_dim: int
     intermediate_size: int
     rms_norm_eps: float
-    rope_parameters: dict  # the target's: {"rope_type": "default", "rope_theta": theta} (nothing else is served)
+    rope_parameters: dict  # the target's: {"rope_type": kind, "rope_theta": theta, ...} (training/rope.py)
     vocab_size: int
     num_layers: int
     num_features: int  # how many target layers are concatenated
@@ -54,9 +55,15 @@ class DrafterConfig:
     output_multiplier: float = 1.0  # the served logits' scale ...
     final_logit_softcapping: float = 0.0  # ... and tanh cap (0 = none): the identity is what the trainer trains
 
+    # Per drafter layer "full_attention" or "sliding_attention" (None: all full), and the sliding layers' window:
+    # a block token sees the keys fewer than `sliding_window` positions away, either way (non-causal).
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+
     @classmethod
     def from_target(cls, target_config, num_layers: int, block_size: int, target_layers: list[int],
-                    mask_token_id: int, mask_token: str = MASK_TOKEN, **dflash2) -> DrafterConfig:
+                    mask_token_id: int, mask_token: str = MASK_TOKEN, layer_types: list[str] | None = None,
+                    sliding_window: int | None = None, **dflash2) -> DrafterConfig:
         """`dflash2`: architecture="dflash2" and its fields (conv_kernel_size, ...); none for DFlash."""
         hidden = target_config.hidden_size
         heads = target_config.num_attention_heads
@@ -69,8 +76,15 @@ class DrafterConfig:
             num_layers=num_layers, num_features=len(target_layers), block_size=block_size,
             target_layers=list(target_layers), mask_token_id=mask_token_id,
             num_target_layers=target_config.num_hidden_layers,
-            max_position_embeddings=target_config.max_position_embeddings, mask_token=mask_token, **dflash2,
+            max_position_embeddings=target_config.max_position_embeddings, mask_token=mask_token,
+            layer_types=list(layer_types) if layer_types else None, sliding_window=sliding_window or None,
+            **dflash2,
         )
+
+    @property
+    def attention_window(self) -> int | None:
+        """The sliding layers' window, None when every layer attends fully."""
+        return self.sliding_window if self.layer_types and "sliding_attention" in self.layer_types else None
 
     @property
     def rope_theta(self) -> float:
@@ -107,12 +121,18 @@ def matmul_dtype(device_type: str, default: torch.dtype) -> torch.dtype:
     return default
 
 
-def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [B, 1, T, head_dim] for integer positions [B, T] (the half-rotation layout of Qwen3)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    freqs = positions[..., None].float() * inv_freq
+def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float, inv_freq: torch.Tensor | None = None,
+                  scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, 1, T, head_dim] for integer positions [B, T] (the half-rotation layout of Qwen3); `inv_freq`
+    and `scaling` as training/rope.py gives them for a scaled RoPE (None: plain RoPE of `theta`)."""
+    if inv_freq is None:
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32)
+                                   / head_dim)
+    freqs = positions[..., None].float() * inv_freq.to(positions.device)
     angles = torch.cat([freqs, freqs], dim=-1)[:, None]
-    return angles.cos(), angles.sin()
+    if scaling == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * scaling, angles.sin() * scaling
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -128,6 +148,7 @@ class DraftLayer(nn.Module):
         super().__init__()
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.sliding = False  # a sliding-window layer (set by Drafter from config.layer_types)
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
@@ -179,12 +200,19 @@ class Drafter(nn.Module):
         self.fc = nn.Linear(c.num_features * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(self.layer_class(c) for _ in range(c.num_layers))
+        for layer, kind in zip(self.layers, c.layer_types or []):
+            layer.sliding = kind == "sliding_attention"  # attends through the mask's `.sliding`
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         # The target's own embedding and LM head, frozen: buffers stay out of the optimizer and the checkpoint.
         # A tied target's one table is one buffer, so a copy to another device stays one copy.
         self.register_buffer("embed_weight", embedding.detach(), persistent=False)
         self.tied = lm_head is embedding
         self.register_buffer("untied_lm_head", None if self.tied else lm_head.detach(), persistent=False)
+        # The served model's RoPE frequencies and scaling, from the same transformers class (training/rope.py);
+        # float32 whatever dtype the module is cast to, one copy per device it runs on.
+        self.rope_inv_freq, self.rope_scaling = rope_frequencies(c.rope_parameters, c.head_dim,
+                                                                 c.max_position_embeddings, device="cpu")
+        self._rope_on: dict[torch.device, torch.Tensor] = {}
         self.reset_parameters()
 
     @property
@@ -215,10 +243,13 @@ class Drafter(nn.Module):
         block_positions = (anchors[:, :, None] + offsets).reshape(batch, -1)
         context_positions = torch.arange(context_len, device=anchors.device).expand(batch, -1)
         c = self.config
-        rope_q = rotary_tables(block_positions, c.head_dim, c.rope_theta)
-        rope_kv = rotary_tables(torch.cat([context_positions, block_positions], dim=1), c.head_dim, c.rope_theta)
+        if anchors.device not in self._rope_on:
+            self._rope_on[anchors.device] = self.rope_inv_freq.to(anchors.device)
+        rope = (self._rope_on[anchors.device], self.rope_scaling)
+        rope_q = rotary_tables(block_positions, c.head_dim, c.rope_theta, *rope)
+        rope_kv = rotary_tables(torch.cat([context_positions, block_positions], dim=1), c.head_dim, c.rope_theta, *rope)
         for layer in self.layers:
-            hidden = layer(hidden, context, rope_q, rope_kv, mask)
+            hidden = layer(hidden, context, rope_q, rope_kv, mask.sliding if layer.sliding else mask)
         return self.norm(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,8 @@ def drafter_stage(drafter: Drafter, features: torch.Tensor, batch: Batch, backen
     `flex_attention` (see training/attention.py). A DFlash2 drafter adds its selector's objective
     (training/selector_loss.py), weighted by `selector_loss_alpha`."""
     block = drafter.config.block_size
-    mask = build_mask(backend, batch.anchors, batch.block_valid, batch.input_ids.shape[1], block, flex_attention)
+    mask = build_mask(backend, batch.anchors, batch.block_valid, batch.input_ids.shape[1], block, flex_attention,
+                      sliding_window=drafter.config.attention_window)
     labels, weights = block_targets(batch.input_ids, batch.loss_mask, batch.anchors, batch.block_valid, block, gamma)
     with autocast(features.device, dtype):
         anchor_tokens = batch.input_ids.gather(1, batch.anchors)

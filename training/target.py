@@ -8,10 +8,11 @@ raises, `features` catches): the layers after it, the final norm and the LM head
 
 What the served format (ARCHITECTURE §7) needs of a target is checked here, in one line each and before its weights
 load: the serving engines read layer l as `hidden_states[l + 1]`, which is the output of `layers[l]` except for
-the last layer (there it is after the final norm), so the last layer is refused; the drafter implements only
-plain RoPE; and the block's masked positions are the `<|MASK|>` token (or the `mask_token` named) embedded by
-the target's own table, so the table needs a row for it (a tokenizer without `<|MASK|>` gets it as an added
-special token; a table with no free row, SmolLM2's, needs `mask_token` set to a token it has).
+the last layer (there it is after the final norm), so the last layer is refused; the drafter implements the
+RoPE types it computes exactly as the served model does (training/rope.py); and the block's masked positions
+are the `<|MASK|>` token (or the `mask_token` named) embedded by the target's own table, so the table needs a
+row for it (a tokenizer without `<|MASK|>` gets it as an added special token; a table with no free row,
+SmolLM2's, needs `mask_token` set to a token it has).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch import nn
 from transformers import AddedToken, AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from training.config import ConfigError
+from training.rope import served_rope_parameters
 
 MASK_TOKEN = "<|MASK|>"
 
@@ -55,25 +57,16 @@ def check_feature_layers(layers: list[int], num_layers: int) -> None:
 
 
 def rope_parameters(config) -> dict:
-    """The target's RoPE as {"rope_type": "default", "rope_theta": theta} (transformers 4.x: rope_theta and
-    rope_scaling; 5.x: rope_parameters). Any scaling (yarn, llama3, dynamic, ...) is refused: the drafter
-    implements plain RoPE only, and an export would claim what it does not compute."""
+    """The target's RoPE as {"rope_type": kind, "rope_theta": theta, ...} (transformers 4.x: rope_theta and
+    rope_scaling; 5.x: rope_parameters): a type the drafter computes exactly as the served model does (default,
+    linear, llama3, yarn: training/rope.py), else a one-line refusal, since an export would claim what it does
+    not compute."""
     params = getattr(config, "rope_parameters", None)
     if params is None:
         params = dict(getattr(config, "rope_scaling", None) or {})
         if getattr(config, "rope_theta", None) is not None:
             params.setdefault("rope_theta", config.rope_theta)
-    params = dict(params)
-    kind = params.pop("rope_type", params.pop("type", "default"))
-    theta = params.pop("rope_theta", None)
-    if params.get("partial_rotary_factor", 1.0) == 1.0:
-        params.pop("partial_rotary_factor", None)
-    if kind != "default" or params:
-        extra = f" with {params}" if params else ""
-        raise ConfigError(f"the target's RoPE is {kind!r}{extra}: the drafter implements only plain RoPE")
-    if theta is None:
-        raise ConfigError("the target config has no RoPE theta")
-    return {"rope_type": "default", "rope_theta": float(theta)}
+    return served_rope_parameters(params)
 
 
 def mask_token_id(tokenizer: PreTrainedTokenizerBase, embedding_rows: int, mask_token: str | int = "") -> int:

@@ -325,8 +325,8 @@ BAD_CHECKPOINTS = {
     "learned mask vector": (add_learned_mask_vector, "learned mask vector"),
     "config of an older trainer": (as_older_trainer_wrote_it, "predates the served format"),
     "the target's last layer": (lambda c: edit_drafter_config(c, target_layers=[1, 2, 3, 4, 7]), "last layer"),
-    "scaled rope": (lambda c: edit_drafter_config(c, rope_parameters={"rope_type": "yarn", "factor": 4.0,
-                                                                      "rope_theta": 1e4}), "yarn"),
+    "dynamic rope": (lambda c: edit_drafter_config(c, rope_parameters={"rope_type": "dynamic", "factor": 4.0,
+                                                                       "rope_theta": 1e4}), "dynamic"),
     "weights of another shape": (lambda c: edit_drafter_config(c, intermediate_size=100), "wrong shape"),
 }
 
@@ -468,9 +468,10 @@ def test_the_trainer_refuses_the_targets_last_layer(tiny_world, tmp_path, capsys
     assert_refused(code, capsys, "last layer (7)", tmp_path / "run")
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "rope_theta": 10000.0},
-    {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+@pytest.mark.parametrize("rope", [  # the served types (linear, llama3, yarn): tests/training/test_served_drafters.py
+    {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+    {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "factor": 2.0,
+     "original_max_position_embeddings": 128, "rope_theta": 10000.0},
 ])
 def test_the_trainer_refuses_a_rope_scaling_the_drafter_does_not_implement(rope, tiny_world, tmp_path, capsys,
                                                                            no_weights_load):
@@ -515,8 +516,8 @@ def test_rope_parameters_of_either_transformers_generation():
     expected = {"rope_type": "default", "rope_theta": 1e6}
     assert rope_parameters(SimpleNamespace(rope_theta=1e6, rope_scaling=None)) == expected  # 4.x
     assert rope_parameters(SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 1e6})) == expected
-    with pytest.raises(ConfigError, match="'llama3'"):
-        rope_parameters(SimpleNamespace(rope_theta=5e5, rope_scaling={"rope_type": "llama3", "factor": 8.0}))
+    llama3 = {"rope_type": "llama3", "factor": 8.0}
+    assert rope_parameters(SimpleNamespace(rope_theta=5e5, rope_scaling=llama3)) == {**llama3, "rope_theta": 5e5}
     with pytest.raises(ConfigError, match="'dynamic'"):
         rope_parameters(SimpleNamespace(rope_theta=1e4, rope_scaling={"type": "dynamic", "factor": 2.0}))
     with pytest.raises(ConfigError, match="no RoPE theta"):

@@ -35,6 +35,7 @@ from training.stages import CompiledStage, decoder_layer_forward, resolve_compil
 from training.target import Target
 from training.tokenized import load_training_data
 from training.trainer.replicas import DrafterReplica, shared_flex_attention
+from training.warm_start import WarmStart, apply_warm_start, read_warm_start
 
 
 def pick_layout(config: TrainConfig) -> tuple[Layout | None, list[torch.device], str]:
@@ -51,6 +52,9 @@ def pick_layout(config: TrainConfig) -> tuple[Layout | None, list[torch.device],
     # compile = "off" compiles nothing: auto attention is then SDPA (flex with it is refused by the config)
     attention = "sdpa" if config.compile == "off" and config.attention == "auto" else config.attention
     backend = resolve_backend(attention, replica_devices[0])
+    if backend == "flex" and config.sliding_window:
+        raise ConfigError("sliding-window drafter layers (layer_types) train with attention=sdpa for now: the flex "
+                          "block mask has no window yet")
     if backend == "flex" and any(device.type != "cuda" for device in replica_devices):
         raise ConfigError("attention=flex needs a CUDA device for every drafter (torch refuses "
                           "flex_attention's backward on the CPU); use sdpa or auto")
@@ -102,11 +106,13 @@ def load_data(config: TrainConfig, tokenizer) -> tuple[BatchStream, list[list[di
     return stream, held_out, {**data_id, "sequences kept": len(sequences)}
 
 
-def build_drafters(config: TrainConfig, target: Target, devices: list[torch.device]) -> list[Drafter]:
-    """Identical drafter replicas, one per drafter device, on the target's frozen embedding and LM head."""
+def build_drafters(config: TrainConfig, target: Target, devices: list[torch.device],
+                   warm: WarmStart | None = None) -> list[Drafter]:
+    """Identical drafter replicas, one per drafter device, on the target's frozen embedding and LM head;
+    with `warm` (init_from), holding its weights."""
     drafter_config = DrafterConfig.from_target(target.config, config.num_draft_layers, config.block_size,
                                                target.layers, target.mask_token_id, target.mask_token,
-                                               **config.dflash2_fields())
+                                               config.layer_types, config.sliding_window, **config.dflash2_fields())
     embedding = target.model.get_input_embeddings().weight.to(devices[0])
     head = target.model.get_output_embeddings().weight
     # A tied target (SmolLM2) has one table for both: the drafter keeps one copy of it on each device.
@@ -115,6 +121,7 @@ def build_drafters(config: TrainConfig, target: Target, devices: list[torch.devi
     # Initialised in place: a 1 B-parameter drafter is slow to init on a CPU.
     with torch.device(devices[0]):
         drafter = build_drafter(drafter_config, embedding, lm_head)
+    apply_warm_start(drafter, warm)
     return [drafter] + [copy.deepcopy(drafter).to(device) for device in devices[1:]]
 
 
@@ -227,6 +234,7 @@ def build_world(config: TrainConfig, layout: Layout | None, devices: list[torch.
     same role on that device)."""
     place = (lambda names: [torch.device(n) for n in names])
     first = [devices[0]]
+    warm = read_warm_start(config)  # a bad init_from before the target's weights load
     targets = load_targets(config, place(layout.target_replica_devices) if layout else first, dtype)
     layer_stage = None
     if resolve_compile(config.compile, targets[0].device, backend) == "all":
@@ -236,7 +244,7 @@ def build_world(config: TrainConfig, layout: Layout | None, devices: list[torch.
             warm_target_layers(config, target, layer_stage)
     stream, held_out, data_id = load_data(config, targets[0].tokenizer)
     replica_devices = place(layout.replica_devices) if layout else first
-    drafters = build_drafters(config, targets[0], replica_devices)
+    drafters = build_drafters(config, targets[0], replica_devices, warm)
     shared_flex = None
     if backend == "flex":
         shared_flex = shared_flex_attention(config, drafters[0].config, replica_devices if layout else devices,
