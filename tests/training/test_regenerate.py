@@ -125,6 +125,27 @@ def test_the_static_decode_writes_what_the_eager_one_writes(tiny_world, tmp_path
     assert not ReplicaGenerator(model, tokenizer, auto).static  # on the CPU nothing compiles: no filler rows
 
 
+def test_a_wide_static_batch_decodes_in_fewer_rows_and_writes_the_same(tiny_world, tmp_path, monkeypatch, capsys):
+    """With the cache bound small, every batch of the static decode splits into chunks of fewer rows (each its
+    own shape): the records are still the dynamic decode's."""
+    from training import generation
+
+    write_prompts(tmp_path / "prompts.jsonl", 7)
+    outputs = {}
+    for decode in ("dynamic", "static"):
+        if decode == "static":  # rows = 6 * (8 + 10) // (64 + 10) = 1: one record per chunk
+            monkeypatch.setattr(generation, "STATIC_MIN_WIDTH", 64)
+            monkeypatch.setattr(generation, "STATIC_CACHE_WIDTH", 8)
+        output = tmp_path / decode / "regenerated.jsonl"
+        config = config_for(tiny_world, tmp_path / "prompts.jsonl", output, "batch_size=6", "max_new_tokens=10",
+                            f"decode={decode}")
+        assert regenerate(config) == 0
+        outputs[decode] = sorted(read_output(output), key=lambda r: r["id"])
+    assert outputs["static"] == outputs["dynamic"] and len(outputs["static"]) == 7
+    said = capsys.readouterr().out
+    assert "cpu: static decode: 0 CUDA graphs captured" in said and "eager steps" in said
+
+
 @pytest.mark.parametrize("decode", ["dynamic", "static"])
 def test_sampling_is_seeded(tiny_world, tmp_path, decode):
     write_prompts(tmp_path / "prompts.jsonl", 6)
