@@ -401,7 +401,37 @@ def time_target(device: torch.device, dims: dict, context: int, clock: Clock, wa
                       "feature_layers": target.layers,
                       "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")}
         # The next Target hooks the same model; this one's hooks stay, idle (they act only inside its features()).
+    rows["target_compiled"] = time_compiled_target(model, input_ids, clock, warmup, repeats, rate, build_s)
     return rows
+
+
+def time_compiled_target(model, input_ids: torch.Tensor, clock: Clock, warmup: int, repeats: int, rate: float,
+                         build_s: float) -> dict:
+    """The trainer's forward with compile = "all": the decoder layers as one compiled stage (training/stages.py),
+    warmed at this shape first (the warm-up's seconds are the row's compile_s)."""
+    from training.stages import CompiledStage, decoder_layer_forward
+    from training.target import Target
+
+    device, context = input_ids.device, input_ids.shape[1]
+    target = Target(model, tokenizer=None)
+    stage = CompiledStage("target layers", decoder_layer_forward, keys_expected=target.layers_run)
+    target.compile_layers(stage)
+    start = time.time()
+    with stage.warming():
+        target.features(input_ids, compiled=True)
+    clock.sync()
+    compile_s = time.time() - start
+    stage.seal()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    ms = median_ms(lambda: target.features(input_ids, compiled=True), clock, warmup, repeats)
+    flops = target_flops(model.config, 1, context, target.layers_run)
+    stats = stage.stats()
+    stage.close()
+    return {"build_s": build_s, "compile_s": compile_s, "forward_ms": ms, "tokens_per_s": context / (ms * 1e-3),
+            "flops": flops, "mfu": flops / (ms * 1e-3) / (rate * 1e12), "layers_run": target.layers_run,
+            "feature_layers": target.layers, "compiles_after_warmup": stats.compiles_after_seal,
+            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -457,12 +487,15 @@ def print_table(report: dict) -> None:
         print("  top kernels (ms/step, calls/step, category):")
         for k in profile["top_kernels"][:12]:
             print(f"    {k['ms_per_step']:7.2f} {k['calls_per_step']:5.0f}  {k['category'][:24]:24} {k['name'][:90]}")
-    for key, label in (("target", "target forward"), ("target_all_layers", "target forward, every layer (before)")):
+    for key, label in (("target", "target forward"), ("target_all_layers", "target forward, every layer (before)"),
+                       ("target_compiled", "target forward, layers compiled (compile = all)")):
         if target := report.get(key):
+            compiled = (f", compile {target['compile_s']:.0f} s, {target['compiles_after_warmup']} compiles after "
+                        "warm-up" if "compile_s" in target else "")
             print(f"{label} ({target['layers_run']} layers run, features from {target['feature_layers']}): "
                   f"{target['forward_ms']:.1f} ms, {target['tokens_per_s']:.0f} tokens/s, {target['flops']:.3e} "
                   f"FLOP, MFU {100 * target['mfu']:.1f}%, peak {target['peak_gib']:.1f} GiB "
-                  f"(build {target['build_s']:.0f} s)")
+                  f"(build {target['build_s']:.0f} s{compiled})")
 
 
 def main(argv: list[str] | None = None) -> int:

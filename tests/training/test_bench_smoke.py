@@ -52,6 +52,9 @@ def test_drafter_bench_runs_on_the_cpu_and_reports_every_figure(tmp_path):
     before, after = report["target_all_layers"], report["target"]
     assert (before["layers_run"], after["layers_run"]) == (8, 6)  # SMALL: 8 layers, features up to layer 5
     assert after["flops"] == pytest.approx(before["flops"] * 6 / 8)
+    compiled = report["target_compiled"]  # compile = "all": the same forward, its layers one compiled stage
+    assert compiled["layers_run"] == 6 and compiled["forward_ms"] > 0 and compiled["compile_s"] > 0
+    assert compiled["compiles_after_warmup"] == 0 and "layers compiled (compile = all)" in result.stdout
 
 
 @pytest.mark.parametrize("argv", [["--small", "--device", "cpu", "--variants", "new,fast"],
