@@ -3,6 +3,7 @@ session."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,3 +49,20 @@ def tiny_world(tmp_path_factory) -> TinyWorld:
 def _no_inherited_metrics_path(monkeypatch):
     """Runs in tests write metrics under their output_dir unless a test sets $GPUCTL_METRICS itself."""
     monkeypatch.delenv("GPUCTL_METRICS", raising=False)
+
+
+@pytest.fixture
+def reference_timer_on_the_cpu(monkeypatch):
+    """The reference dflash loop times itself with torch.cuda.synchronize, which the CPU build of torch refuses."""
+    if not torch.cuda.is_available():
+        from dflash import model as reference
+
+        monkeypatch.setattr(reference, "_cuda_time", time.perf_counter)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_world):
+    """The tiny target, float32 on the CPU, once per module."""
+    from training.target import Target
+
+    return Target.load(str(tiny_world.target), "cpu", torch.float32)

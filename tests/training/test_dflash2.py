@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
 
 import dflash.model as reference
@@ -30,17 +29,7 @@ NEW_TOKENS = 48
 DFLASH2 = ["architecture=dflash2", "conv_kernel_size=2", "conv_group_size=16", "selector_rank=16",
            "selector_top_k=8"]
 
-
-@pytest.fixture(autouse=True)
-def _reference_timer_on_the_cpu(monkeypatch):
-    """The reference loop times itself with torch.cuda.synchronize, which the CPU build of torch refuses."""
-    if not torch.cuda.is_available():
-        monkeypatch.setattr(reference, "_cuda_time", time.perf_counter)
-
-
-@pytest.fixture(scope="module")
-def target(tiny_world) -> Target:
-    return Target.load(str(tiny_world.target), "cpu", torch.float32)
+pytestmark = pytest.mark.usefixtures("reference_timer_on_the_cpu")
 
 
 @pytest.fixture(scope="module")

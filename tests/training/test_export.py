@@ -7,7 +7,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import dflash.model as reference
@@ -32,17 +31,7 @@ from training.trainer import cosine_schedule
 REPO = Path(__file__).resolve().parents[2]
 NEW_TOKENS = 48
 
-
-@pytest.fixture(autouse=True)
-def _reference_timer_on_the_cpu(monkeypatch):
-    """The reference loop times itself with torch.cuda.synchronize, which the CPU build of torch refuses."""
-    if not torch.cuda.is_available():
-        monkeypatch.setattr(reference, "_cuda_time", time.perf_counter)
-
-
-@pytest.fixture(scope="module")
-def target(tiny_world) -> Target:
-    return Target.load(str(tiny_world.target), "cpu", torch.float32)
+pytestmark = pytest.mark.usefixtures("reference_timer_on_the_cpu")
 
 
 @pytest.fixture(scope="module")

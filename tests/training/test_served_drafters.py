@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
 
 import dflash.model as reference
@@ -28,17 +27,7 @@ from training.warm_start import read_warm_start
 
 NEW_TOKENS = 32
 
-
-@pytest.fixture(autouse=True)
-def _reference_timer_on_the_cpu(monkeypatch):
-    """The reference loop times itself with torch.cuda.synchronize, which the CPU build of torch refuses."""
-    if not torch.cuda.is_available():
-        monkeypatch.setattr(reference, "_cuda_time", time.perf_counter)
-
-
-@pytest.fixture(scope="module")
-def target(tiny_world) -> Target:
-    return Target.load(str(tiny_world.target), "cpu", torch.float32)
+pytestmark = pytest.mark.usefixtures("reference_timer_on_the_cpu")
 
 
 def sets_for(world, output_dir: Path, *overrides: str) -> list[str]:
