@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import uuid
 
 import pytest
 from tenacity import retry, stop_after_delay, wait_fixed
@@ -87,8 +89,8 @@ def test_nvidia_smi_query(standin, ctid, fmt, expected):
 
 
 def test_an_interpreter_under_tmp_runs_a_launch_to_its_end(tmp_path):
-    """The CLI tests do not depend on where Python lives: with a virtual environment under /tmp (a path `pct
-    exec` mounts over with the container's own), the stand-in host still runs a launch to its end."""
+    """The CLI tests do not depend on where Python lives: with a virtual environment under /tmp (a path the
+    container has its own of), the stand-in host still runs a launch to its end."""
     venv = tmp_path / "venv"  # pytest's tmp_path is under /tmp
     assert str(venv).startswith("/tmp/")
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
@@ -111,3 +113,25 @@ def test_an_interpreter_under_tmp_runs_a_launch_to_its_end(tmp_path):
         assert launched.stdout.rstrip().endswith("done, exit 0")
     finally:
         run("-m", "tests.sandbox", "down", "--dir", str(standin))
+
+
+@pytest.mark.e2e
+def test_a_run_writes_nothing_outside_the_standin_dir(gpuctl):
+    """A demo-like run (the tiny preset) naming a data_path no machine has: what it writes (the data it builds
+    there, the tiny target in HOME's cache, the staged package, the log) lands in the container's own root under
+    the stand-in's directory; none of those paths appears on this machine."""
+    unique = f"/gpuctl-nonexistent-{uuid.uuid4().hex[:12]}"
+    named = [unique, "/workspace", "/root/gpuctl", "/root/.cache/gpuctl", "/run/gpuctl-standin-bin"]
+    already = {path for path in named if os.path.lexists(path)}  # a machine's own; the unique one never is
+    try:
+        result = gpuctl("launch", "--config", "tiny", "--set", f"data_path={unique}/train.jsonl",
+                        "--set", "max_steps=2", "--set", "eval_every=0", "--follow", timeout=600)
+        assert result.code == 0, result.stderr[-3000:]
+        assert [path for path in named if path not in already and os.path.lexists(path)] == []
+        # Where they went: the container's root.
+        assert gpuctl.path(f"{unique}/train.jsonl").is_file()
+        assert gpuctl.path("/root/.cache/gpuctl/tiny-v2/target").is_dir()
+        assert gpuctl.path("/workspace/train_tl1.log").is_file()
+    finally:
+        if os.path.isdir(unique):  # the old stand-in wrote there: leave the machine as it was
+            shutil.rmtree(unique)
