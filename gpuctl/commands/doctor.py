@@ -213,21 +213,36 @@ def _gpus_check(reply: DoctorReply, gpus: list[Gpu], driver_cuda: str | None) ->
     if sees == 0:
         why = ("a CPU-only build" if torch.get("cuda") is None else
                f"built for CUDA {torch['cuda']}: {torch.get('error') or 'torch.cuda.is_available() is False'}")
-        return Check("gpus", FAIL, f"{seen}, but {build} sees none ({why})", _torch_fix(driver_cuda))
+        return Check("gpus", FAIL, f"{seen}, but {build} sees none ({why})", _torch_fix(reply, driver_cuda))
     if sees < len(gpus):
         return Check("gpus", WARN, f"{seen}, but {build} sees only {sees}",
                      "check CUDA_VISIBLE_DEVICES in the container's environment")
     return Check("gpus", OK, f"{seen}; {build} sees {sees}")
 
 
-def _torch_fix(driver_cuda: str | None) -> str:
+def _torch_fix(reply: DoctorReply, driver_cuda: str | None) -> str:
+    """How to get a torch the driver runs; a setup that was given --torch is told to choose again (a plain
+    `gpuctl setup` would replace the user's choice)."""
     index = torch_index(driver_cuda) if driver_cuda else None
+    chosen = _setup_torch(reply)
+    if chosen is not None:
+        source = f"--index-url {index}" if index else "--index-url URL"
+        return (f"gpuctl setup --torch SPEC {source} (a CUDA build the driver runs: the last setup's --torch "
+                f"{chosen!r} is not one)")
     if index:
         return f"gpuctl setup (installs torch from {index}, for the driver's CUDA {driver_cuda})"
     if driver_cuda:
         return (f"update the NVIDIA driver (its CUDA {driver_cuda} is older than the CUDA builds of torch gpuctl "
                 "knows), or gpuctl setup --torch SPEC --index-url URL")
     return "gpuctl setup --torch SPEC --index-url URL (a CUDA build of torch the driver runs)"
+
+
+def _setup_torch(reply: DoctorReply) -> str | None:
+    """The --torch the last gpuctl setup was given, when the interpreter checked is the one it made."""
+    if reply.python_from != "recorded" or not reply.last_setup:
+        return None
+    torch = reply.last_setup.get("torch")
+    return torch if isinstance(torch, str) and torch else None
 
 
 def _cuda_check(reply: DoctorReply, driver_cuda: str | None) -> Check:
@@ -242,7 +257,7 @@ def _cuda_check(reply: DoctorReply, driver_cuda: str | None) -> Check:
                      "check the NVIDIA driver on the host and its tools in the container")
     detail = f"driver {driver} (CUDA {driver_cuda}); {built}"
     if torch_cuda and release(torch_cuda)[:2] > release(driver_cuda)[:2]:
-        return Check("cuda", WARN, f"{detail}: newer than the driver supports", _torch_fix(driver_cuda))
+        return Check("cuda", WARN, f"{detail}: newer than the driver supports", _torch_fix(reply, driver_cuda))
     return Check("cuda", OK, detail)
 
 
