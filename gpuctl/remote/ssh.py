@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
+import sys
 import threading
 import time
 import warnings
@@ -25,9 +27,26 @@ from typing_extensions import Self
 from gpuctl.address import Address, parse_address_arg
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")  # cryptography's deprecation notices are not the user's business
-    import paramiko
+
+def _import_paramiko():
+    """paramiko, without invoke: paramiko.config imports it only to run an ssh_config's `Match exec`, and it is a
+    third of paramiko's import time (yaml, asyncio, unittest.mock). load_ssh_config brings it in for a config
+    that has one."""
+    blocked = "invoke" not in sys.modules
+    if blocked:
+        sys.modules["invoke"] = None  # `import invoke` raises ImportError: paramiko.config records it as missing
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # cryptography's deprecation notices are not the user's business
+            import paramiko
+    finally:
+        if blocked and sys.modules.get("invoke", 0) is None:
+            del sys.modules["invoke"]
+    return paramiko
+
+
+paramiko = _import_paramiko()
+MATCH_EXEC = re.compile(r"^\s*match\b.*\bexec\b", re.IGNORECASE | re.MULTILINE)
 
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
@@ -112,12 +131,22 @@ class Unreachable(GpuctlError):
 
 def load_ssh_config(path: str | None) -> paramiko.SSHConfig:
     if path is None:
-        default = Path("~/.ssh/config").expanduser()
-        return paramiko.SSHConfig.from_path(str(default)) if default.is_file() else paramiko.SSHConfig()
-    config_path = Path(path).expanduser()
-    if not config_path.is_file():
-        raise usage_error(f"--ssh-config: no such file: {config_path}")
-    return paramiko.SSHConfig.from_path(str(config_path))
+        config_path = Path("~/.ssh/config").expanduser()
+        if not config_path.is_file():
+            return paramiko.SSHConfig()
+    else:
+        config_path = Path(path).expanduser()
+        if not config_path.is_file():
+            raise usage_error(f"--ssh-config: no such file: {config_path}")
+    text = config_path.read_text(errors="replace")
+    if MATCH_EXEC.search(text) and paramiko.config.invoke is None:
+        try:  # what paramiko runs a `Match exec` command with
+            import invoke
+        except ImportError:
+            pass  # paramiko says so when it meets the Match
+        else:
+            paramiko.config.invoke = invoke
+    return paramiko.SSHConfig.from_text(text)
 
 
 def resolve_endpoint(address: Address) -> Endpoint:
