@@ -339,6 +339,7 @@ class SetupOptions:
     torch: str | None = None  # a pip requirement for torch instead of the bundle's (and its CUDA choice)
     index_urls: list[str] = field(default_factory=list)  # package sources; none: PyPI, torch from PyTorch's
     system_site_packages: bool = False  # the environment sees the interpreter's packages (an image with torch)
+    report_packages: list[str] = field(default_factory=list)  # what --config's report_to needs (tensorboard, ...)
 
 
 def check_setup_options(opts: SetupOptions) -> SetupOptions:
@@ -357,7 +358,8 @@ def check_setup_options(opts: SetupOptions) -> SetupOptions:
 
 def _setup_values(address: Address, opts: SetupOptions) -> dict[str, Any]:
     fields = {"venv": opts.venv, "torch": opts.torch, "index_urls": opts.index_urls,
-              "system_site_packages": opts.system_site_packages, "workdir": "/"}
+              "system_site_packages": opts.system_site_packages, "report_to_packages": opts.report_packages,
+              "workdir": "/"}
     return detached.values(address, "setup", fields, python=opts.python, use_recorded_python=False,
                            log_dir=SETUP_LOG_DIR, workdir=SETUP_LOG_DIR, keep_compile_cache=True, replacing=False)
 
@@ -370,7 +372,9 @@ def setup_script(opts: SetupOptions, python: str) -> str:
         "setup.sh", python=python, venv=opts.venv, system_site_packages=opts.system_site_packages,
         min_python=".".join(map(str, MIN_PYTHON)), interpreter_file=INTERPRETER_FILE,
         torch_spec=opts.torch or (torch.text if torch else ""), torch_given=opts.torch is not None,
-        requirements=[r.text for r in required if r is not torch], modules=[r.module for r in required],
+        # report_to's packages import by their own names (tensorboard, wandb, mlflow)
+        requirements=[r.text for r in required if r is not torch] + opts.report_packages,
+        modules=[r.module for r in required] + opts.report_packages,
         source_args=pip_source_args(opts.index_urls),
         torch_cuda_builds=[(".".join(map(str, version)), f"{TORCH_INDEX}/{tag}") for version, tag in
                            TORCH_CUDA_BUILDS],
