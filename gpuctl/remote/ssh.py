@@ -9,6 +9,7 @@ direct-tcpip channel through the previous hop's transport, used as the socket of
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -29,9 +30,8 @@ from gpuctl.errors import ExitCode, GpuctlError, usage_error
 
 
 def _import_paramiko():
-    """paramiko, without invoke: paramiko.config imports it only to run an ssh_config's `Match exec`, and it is a
-    third of paramiko's import time (yaml, asyncio, unittest.mock). load_ssh_config brings it in for a config
-    that has one."""
+    """paramiko without invoke (a third of its import: yaml, asyncio, unittest.mock), which paramiko.config wants
+    only to run `Match exec`: load_ssh_config brings it in for a config that has one."""
     blocked = "invoke" not in sys.modules
     if blocked:
         sys.modules["invoke"] = None  # `import invoke` raises ImportError: paramiko.config records it as missing
@@ -47,7 +47,6 @@ def _import_paramiko():
 
 paramiko = _import_paramiko()
 MATCH_EXEC = re.compile(r"^\s*match\b.*\bexec\b", re.IGNORECASE | re.MULTILINE)
-
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 RECV_BYTES = 65536
@@ -130,21 +129,15 @@ class Unreachable(GpuctlError):
 
 
 def load_ssh_config(path: str | None) -> paramiko.SSHConfig:
-    if path is None:
-        config_path = Path("~/.ssh/config").expanduser()
-        if not config_path.is_file():
+    config_path = Path(path or "~/.ssh/config").expanduser()
+    if not config_path.is_file():
+        if path is None:
             return paramiko.SSHConfig()
-    else:
-        config_path = Path(path).expanduser()
-        if not config_path.is_file():
-            raise usage_error(f"--ssh-config: no such file: {config_path}")
+        raise usage_error(f"--ssh-config: no such file: {config_path}")
     text = config_path.read_text(errors="replace")
     if MATCH_EXEC.search(text) and paramiko.config.invoke is None:
-        try:  # what paramiko runs a `Match exec` command with
+        with contextlib.suppress(ImportError):  # without invoke, paramiko says so when it meets the Match
             import invoke
-        except ImportError:
-            pass  # paramiko says so when it meets the Match
-        else:
             paramiko.config.invoke = invoke
     return paramiko.SSHConfig.from_text(text)
 
