@@ -260,7 +260,12 @@ def test_a_stopped_container_exits_4_and_an_unreachable_host_3(gpuctl, standin):
     assert missing.code == 4 and "container 999 does not exist" in missing.stderr
     fix = missing.json()["checks"][-1]["fix"]
     assert "pct start" not in fix and "pct list" in fix and "--ct" in fix
-    assert "pct start" not in gpuctl("doctor", "--ct", "999").stdout
+    said = gpuctl("doctor", "--ct", "999")  # the one error line names the fix too
+    assert said.code == 4 and "pct start" not in said.stdout + said.stderr
+    expected = ("gpuctl: error: container 999 does not exist on gpuctl-standin (Configuration file "
+                "'nodes/pve/lxc/999.conf' does not exist): pass the right --ct (pct list on the host shows its "
+                "containers)")
+    assert said.stderr.strip().splitlines() == [expected]
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
