@@ -12,13 +12,15 @@ Aim (issue 2): launch <= 1.5 s, status <= 0.5 s on loopback.
 --startup: only the start-up table (issue 29): the median wall time of `gpuctl --version`, `--help` and `status`
 (on the stand-in, one running fake run) as whole processes of this interpreter (`python -m gpuctl`: no pyenv shim
 in between), beside a bare interpreter's start; with gpuctl's bytecode cached (as installed) and compiled at each
-start. Aim: --version <= 0.15 s, --help <= 0.25 s, status <= 0.5 s.
+start, and (cached) the median CPU time each process used, which a loaded machine hardly changes. Aim:
+--version <= 0.15 s, --help <= 0.25 s, status <= 0.5 s.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -86,7 +88,7 @@ def startup_table(host: StandInHost, env: dict[str, str], flags: address.Address
     rows = [("python -c pass (the interpreter alone)", ["-c", "pass"])]
     rows += [(f"gpuctl {' '.join(args)}", ["-m", "gpuctl", *args]) for args in (["--version"], ["--help"], ["status"])]
     rows.append(("python -c 'import gpuctl.cli'", ["-c", "import gpuctl.cli"]))
-    timed = [(name, timed_python(args, cached, runs, warm_up=True), timed_python(args, compiled, runs))
+    timed = [(name, *timed_python(args, cached, runs, warm_up=True), timed_python(args, compiled, runs)[0])
              for name, args in rows]
     work = []  # status's own work, in this process: connect, the one remote command, the report
     for _ in range(runs):
@@ -94,24 +96,31 @@ def startup_table(host: StandInHost, env: dict[str, str], flags: address.Address
         with commands.resolve(flags).connected(None) as one:
             one.status(0)
         work.append(time.perf_counter() - start)
-    timed.append(("(status's work in-process: connect + remote)", statistics.median(work), float("nan")))
+    timed.append(("(status's work in-process: connect + remote)", statistics.median(work), float("nan"),
+                  float("nan")))
     with scope.connected(None):
         scope.kill(0, "KILL", grace=5, notify=print)
     print(f"gpuctl start-up ({sys.executable}), median of {runs} runs each; load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print(f"{'command':<40} {'bytecode cached':>16} {'compiled each run':>18}")
-    for name, warm, cold in timed:
-        print(f"{name:<40} {warm:>14.3f} s {cold:>16.3f} s")
+    print(f"{'command':<44} {'bytecode cached':>16} {'its CPU time':>14} {'compiled each run':>18}")
+    for name, warm, cpu, cold in timed:
+        print(f"{name:<44} {warm:>14.3f} s {cpu:>12.3f} s {cold:>16.3f} s")
 
 
-def timed_python(args: list[str], env: dict[str, str], runs: int, warm_up: bool = False) -> float:
-    seconds = []
+def timed_python(args: list[str], env: dict[str, str], runs: int, warm_up: bool = False) -> tuple[float, float]:
+    """Median wall seconds of the process, and median CPU seconds (user + system) it used: the CPU figure hardly
+    moves with the machine's load, where the wall figure grows with it (status's remote side runs in sshd and
+    pct, other processes, so its CPU figure is gpuctl's own start-up, connection and drawing)."""
+    seconds, cpu = [], []
     for i in range(runs + warm_up):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.perf_counter()
         subprocess.run([sys.executable, *args], cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
         if i or not warm_up:
             seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
+            cpu.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+    return statistics.median(seconds), statistics.median(cpu)
 
 
 def main() -> None:

@@ -100,3 +100,21 @@ def check_config(task: str, config: str | None, sets: list[str]) -> None:
         check_values(keys, values, where)
     for text in sets:
         check_values(keys, dict([parse_override(text)]), f"--set {text}")
+
+
+def report_to_packages(config: str, sets: list[str]) -> list[str]:
+    """The packages a training config's report_to (after --set) needs, in its order: what `gpuctl setup --config`
+    installs beside the trainer's requirements. A bad config or --set is one line, exit 2."""
+    schema = load_schema()
+    check_config("train", config, sets)
+    values, _ = config_values(schema, "train", config)
+    for text in sets:
+        values.update([parse_override(text)])
+    packages = schema.get("report_to_packages")
+    if not isinstance(packages, dict):
+        raise GpuctlError(f"the trainer's config schema {paths.config_schema_file()} names no report_to packages "
+                          "(regenerate it: python -m training.config_schema)")
+    unknown = [name for name in values.get("report_to", []) if name not in packages]
+    if unknown:
+        raise usage_error(f"report_to takes {', '.join(packages)}, got {unknown[0]!r}")
+    return list(dict.fromkeys(packages[name] for name in values.get("report_to", [])))

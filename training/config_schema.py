@@ -4,7 +4,8 @@ gpuctl never imports the trainer (ARCHITECTURE §9), yet refuses a typo'd preset
 wrong type before it stages anything: it reads this file, bundled with the trainer. Each task's keys with their
 types, as `training.config._matches` checks them ("int", "float": an int is a valid float, a bool is not an int;
 "bool", "str", {"list": T}, {"union": [T, ...]}) and the message's name of the type; every bundled preset, and
-which task's config each preset is (every key of it a key of that config).
+which task's config each preset is (every key of it a key of that config); and the package each `report_to` name
+needs, which `gpuctl setup --config` installs.
 
 Regenerate it after changing a config dataclass or a preset: `python -m training.config_schema`
 (tests/training/test_config_schema.py fails while the committed file differs).
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from training.config import PRESETS_DIR, TrainConfig, _type_name, tomllib
 from training.regenerate import RegenerateConfig
+from training.reporters import PACKAGES
 
 SCHEMA_FILE = Path(__file__).with_name("config_schema.json")
 COMMAND = "python -m training.config_schema"
@@ -55,7 +57,8 @@ def schema() -> dict:
             "presets": [name for name, keys in presets.items() if keys <= hints.keys()],
             "keys": {key: {"type": type_spec(tp), "name": _type_name(tp)} for key, tp in hints.items()},
         }
-    return {"generated_by": COMMAND, "presets": list(presets), "tasks": tasks}
+    # gpuctl setup installs what a config's report_to needs (training/reporters.py names the package of each).
+    return {"generated_by": COMMAND, "presets": list(presets), "tasks": tasks, "report_to_packages": PACKAGES}
 
 
 def render() -> str:

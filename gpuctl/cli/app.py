@@ -47,8 +47,10 @@ from gpuctl.cli.options import (
     RetryDelay,
     RunOpt,
     Sets,
+    SetupConfig,
     SetupDryRun,
     SetupPython,
+    SetupSets,
     Signal,
     SystemSitePackages,
     Tail,
@@ -352,17 +354,22 @@ def doctor_command(flags: AddressFlags, out: "Output", stats: "ssh.Stats", pytho
 @with_address
 def setup_command(flags: AddressFlags, out: "Output", stats: "ssh.Stats", python: SetupPython = None,
                   venv: Venv = DEFAULT_VENV, torch: Torch = None, index_url: IndexUrl = None,
-                  system_site_packages: SystemSitePackages = False, dry_run: SetupDryRun = False) -> int:
+                  system_site_packages: SystemSitePackages = False, dry_run: SetupDryRun = False,
+                  config: SetupConfig = None, sets: SetupSets = None) -> int:
     """Make the container ready to train: a virtual environment with the trainer's packages (a CUDA build of torch
-    for the driver), installed detached like a run (its own log; logs -f, kill, status), then doctor's checks.
-    Launch uses that environment from then on."""
+    for the driver) and those --config's report_to needs, installed detached like a run (its own log; logs -f,
+    kill, status), then doctor's checks. Launch uses that environment from then on."""
     from gpuctl import commands
     from gpuctl.address import remember
     from gpuctl.commands import doctor
+    from gpuctl.config_schema import report_to_packages
     from gpuctl.ui import render
 
+    if sets and config is None:
+        raise usage_error("--set is for --config (setup reads report_to from a training config)")
     opts = doctor.check_setup_options(doctor.SetupOptions(
-        python=python, venv=venv, torch=torch, index_urls=index_url or [], system_site_packages=system_site_packages))
+        python=python, venv=venv, torch=torch, index_urls=index_url or [], system_site_packages=system_site_packages,
+        report_packages=report_to_packages(config, sets or []) if config is not None else []))
     address = resolve_address(flags)
     if dry_run:
         out.write(doctor.plan_setup(address, opts))

@@ -135,4 +135,9 @@ IndexUrl = Annotated[list[str] | None, typer.Option("--index-url", metavar="URL"
 SystemSitePackages = Annotated[bool, typer.Option("--system-site-packages", help="let the environment see the "
                                                   "interpreter's packages (an image that has torch already)")]
 SetupDryRun = Annotated[bool, typer.Option("--dry-run", help="print what would run, send nothing")]
+SetupConfig = Annotated[str | None, typer.Option("--config", metavar="PRESET|PATH", help="a training config "
+                                                 "whose report_to packages (tensorboard, wandb, mlflow) are "
+                                                 "installed too")]
+SetupSets = Annotated[list[str] | None, typer.Option("--set", metavar="KEY=VALUE", help="override a value of "
+                                                     "--config, e.g. report_to=[\"tensorboard\"] (repeatable)")]
 VENV_DEFAULT = DEFAULT_VENV

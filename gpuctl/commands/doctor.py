@@ -213,21 +213,36 @@ def _gpus_check(reply: DoctorReply, gpus: list[Gpu], driver_cuda: str | None) ->
     if sees == 0:
         why = ("a CPU-only build" if torch.get("cuda") is None else
                f"built for CUDA {torch['cuda']}: {torch.get('error') or 'torch.cuda.is_available() is False'}")
-        return Check("gpus", FAIL, f"{seen}, but {build} sees none ({why})", _torch_fix(driver_cuda))
+        return Check("gpus", FAIL, f"{seen}, but {build} sees none ({why})", _torch_fix(reply, driver_cuda))
     if sees < len(gpus):
         return Check("gpus", WARN, f"{seen}, but {build} sees only {sees}",
                      "check CUDA_VISIBLE_DEVICES in the container's environment")
     return Check("gpus", OK, f"{seen}; {build} sees {sees}")
 
 
-def _torch_fix(driver_cuda: str | None) -> str:
+def _torch_fix(reply: DoctorReply, driver_cuda: str | None) -> str:
+    """How to get a torch the driver runs; a setup that was given --torch is told to choose again (a plain
+    `gpuctl setup` would replace the user's choice)."""
     index = torch_index(driver_cuda) if driver_cuda else None
+    chosen = _setup_torch(reply)
+    if chosen is not None:
+        source = f"--index-url {index}" if index else "--index-url URL"
+        return (f"gpuctl setup --torch SPEC {source} (a CUDA build the driver runs: the last setup's --torch "
+                f"{chosen!r} is not one)")
     if index:
         return f"gpuctl setup (installs torch from {index}, for the driver's CUDA {driver_cuda})"
     if driver_cuda:
         return (f"update the NVIDIA driver (its CUDA {driver_cuda} is older than the CUDA builds of torch gpuctl "
                 "knows), or gpuctl setup --torch SPEC --index-url URL")
     return "gpuctl setup --torch SPEC --index-url URL (a CUDA build of torch the driver runs)"
+
+
+def _setup_torch(reply: DoctorReply) -> str | None:
+    """The --torch the last gpuctl setup was given, when the interpreter checked is the one it made."""
+    if reply.python_from != "recorded" or not reply.last_setup:
+        return None
+    torch = reply.last_setup.get("torch")
+    return torch if isinstance(torch, str) and torch else None
 
 
 def _cuda_check(reply: DoctorReply, driver_cuda: str | None) -> Check:
@@ -242,7 +257,7 @@ def _cuda_check(reply: DoctorReply, driver_cuda: str | None) -> Check:
                      "check the NVIDIA driver on the host and its tools in the container")
     detail = f"driver {driver} (CUDA {driver_cuda}); {built}"
     if torch_cuda and release(torch_cuda)[:2] > release(driver_cuda)[:2]:
-        return Check("cuda", WARN, f"{detail}: newer than the driver supports", _torch_fix(driver_cuda))
+        return Check("cuda", WARN, f"{detail}: newer than the driver supports", _torch_fix(reply, driver_cuda))
     return Check("cuda", OK, detail)
 
 
@@ -324,6 +339,7 @@ class SetupOptions:
     torch: str | None = None  # a pip requirement for torch instead of the bundle's (and its CUDA choice)
     index_urls: list[str] = field(default_factory=list)  # package sources; none: PyPI, torch from PyTorch's
     system_site_packages: bool = False  # the environment sees the interpreter's packages (an image with torch)
+    report_packages: list[str] = field(default_factory=list)  # what --config's report_to needs (tensorboard, ...)
 
 
 def check_setup_options(opts: SetupOptions) -> SetupOptions:
@@ -342,7 +358,8 @@ def check_setup_options(opts: SetupOptions) -> SetupOptions:
 
 def _setup_values(address: Address, opts: SetupOptions) -> dict[str, Any]:
     fields = {"venv": opts.venv, "torch": opts.torch, "index_urls": opts.index_urls,
-              "system_site_packages": opts.system_site_packages, "workdir": "/"}
+              "system_site_packages": opts.system_site_packages, "report_to_packages": opts.report_packages,
+              "workdir": "/"}
     return detached.values(address, "setup", fields, python=opts.python, use_recorded_python=False,
                            log_dir=SETUP_LOG_DIR, workdir=SETUP_LOG_DIR, keep_compile_cache=True, replacing=False)
 
@@ -355,7 +372,9 @@ def setup_script(opts: SetupOptions, python: str) -> str:
         "setup.sh", python=python, venv=opts.venv, system_site_packages=opts.system_site_packages,
         min_python=".".join(map(str, MIN_PYTHON)), interpreter_file=INTERPRETER_FILE,
         torch_spec=opts.torch or (torch.text if torch else ""), torch_given=opts.torch is not None,
-        requirements=[r.text for r in required if r is not torch], modules=[r.module for r in required],
+        # report_to's packages import by their own names (tensorboard, wandb, mlflow)
+        requirements=[r.text for r in required if r is not torch] + opts.report_packages,
+        modules=[r.module for r in required] + opts.report_packages,
         source_args=pip_source_args(opts.index_urls),
         torch_cuda_builds=[(".".join(map(str, version)), f"{TORCH_INDEX}/{tag}") for version, tag in
                            TORCH_CUDA_BUILDS],

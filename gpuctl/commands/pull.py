@@ -111,8 +111,13 @@ def pull(ct: Container, run_number: int, what: PullWhat, dest: transfer.Destinat
     if not waiting:
         raise _pull_ended_early(ct, remote, said + rest, "pull")
     reply = PullReply.parse(said + rest)
+    files = reply.files
+    if what == PullWhat.METRICS and len(files) > 1 and not dest.in_directory:
+        notify(f"{reply.run.run_id}'s TensorBoard event files stay in CT {ct.ctid}: pull the metrics into a "
+               "directory (DEST/) to bring them along")
+        files = files[:1]  # the JSON lines, first in pull.sh's manifest
     try:
-        plan = transfer.plan(dest, reply.files)
+        plan = transfer.plan(dest, files)
     except GpuctlError:
         remote.send(pull_request([]), kind="request")
         remote.close_stdin()

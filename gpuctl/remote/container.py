@@ -111,8 +111,8 @@ class Container:
             reason = "; ".join(line.strip() for line in said.splitlines() if line.strip())
             raise ssh.host_error(f"{self.session.endpoint.describe()} refused the login: {reason}")
         if PCT_MISSING.search(err):
-            raise GpuctlError(f"container {self.ctid} does not exist on {self.host} ({err.strip()})",
-                              ExitCode.CONTAINER)
+            raise GpuctlError(f"container {self.ctid} does not exist on {self.host} ({err.strip()}): pass the "
+                              "right --ct (pct list on the host shows its containers)", ExitCode.CONTAINER)
         if PCT_NOT_RUNNING.search(err):
             raise ContainerNotRunning(f"container {self.ctid} on {self.host} is not running (start it: pct start "
                                       f"{self.ctid})")

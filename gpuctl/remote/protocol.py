@@ -298,6 +298,7 @@ class DoctorReply:
     gpus_csv: bytes | None  # nvidia-smi's GPU table (commands.parse_gpus reads it); None: no nvidia-smi
     smi: str  # the start of nvidia-smi's own output: the driver's version, and the CUDA version it supports
     compile_cache_error: str = ""  # what du said instead of a size (it did not answer in time), else ""
+    last_setup: dict[str, Any] | None = None  # the record of the last gpuctl setup (its options: torch, ...)
 
     @classmethod
     def parse(cls, data: bytes) -> DoctorReply:
@@ -324,6 +325,7 @@ class DoctorReply:
                    python_found=python_found, probe=probe, probe_error=error,
                    active=[Run(number=n, record=r, alive=True) for n, r in zip(numbers, records)],
                    last_run=json.loads(found["last_run"]) if found.get("last_run") else None,
+                   last_setup=json.loads(found["last_setup"]) if found.get("last_setup") else None,
                    workspace=workspace, compile_cache_bytes=int(cache) if cache.isdigit() else None,
                    compile_cache_error="" if cache.isdigit() else cache,
                    gpus_csv=found.get("gpus"), smi=text.get("smi", ""))

@@ -9,9 +9,12 @@ direct-tcpip channel through the previous hop's transport, used as the socket of
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import re
 import socket
+import sys
 import threading
 import time
 import warnings
@@ -25,10 +28,25 @@ from typing_extensions import Self
 from gpuctl.address import Address, parse_address_arg
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")  # cryptography's deprecation notices are not the user's business
-    import paramiko
 
+def _import_paramiko():
+    """paramiko without invoke (a third of its import: yaml, asyncio, unittest.mock), which paramiko.config wants
+    only to run `Match exec`: load_ssh_config brings it in for a config that has one."""
+    blocked = "invoke" not in sys.modules
+    if blocked:
+        sys.modules["invoke"] = None  # `import invoke` raises ImportError: paramiko.config records it as missing
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # cryptography's deprecation notices are not the user's business
+            import paramiko
+    finally:
+        if blocked and sys.modules.get("invoke", 0) is None:
+            del sys.modules["invoke"]
+    return paramiko
+
+
+paramiko = _import_paramiko()
+MATCH_EXEC = re.compile(r"^\s*match\b.*\bexec\b", re.IGNORECASE | re.MULTILINE)
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 RECV_BYTES = 65536
@@ -111,13 +129,17 @@ class Unreachable(GpuctlError):
 
 
 def load_ssh_config(path: str | None) -> paramiko.SSHConfig:
-    if path is None:
-        default = Path("~/.ssh/config").expanduser()
-        return paramiko.SSHConfig.from_path(str(default)) if default.is_file() else paramiko.SSHConfig()
-    config_path = Path(path).expanduser()
+    config_path = Path(path or "~/.ssh/config").expanduser()
     if not config_path.is_file():
+        if path is None:
+            return paramiko.SSHConfig()
         raise usage_error(f"--ssh-config: no such file: {config_path}")
-    return paramiko.SSHConfig.from_path(str(config_path))
+    text = config_path.read_text(errors="replace")
+    if MATCH_EXEC.search(text) and paramiko.config.invoke is None:
+        with contextlib.suppress(ImportError):  # without invoke, paramiko says so when it meets the Match
+            import invoke
+            paramiko.config.invoke = invoke
+    return paramiko.SSHConfig.from_text(text)
 
 
 def resolve_endpoint(address: Address) -> Endpoint:

@@ -46,10 +46,13 @@ class Destination:
     directory: bool  # a directory of files (export, checkpoint), else one file (metrics)
     into: bool = False  # one file, and DEST was written as a directory (`./regen/`): it goes in, made if need be
 
+    @property
+    def in_directory(self) -> bool:
+        """The files go in DEST, each by its own name (else DEST is the one file)."""
+        return self.directory or self.into or self.path.is_dir()
+
     def final(self, name: str) -> Path:
-        if self.directory or self.into or self.path.is_dir():  # one file into a directory keeps its own name
-            return self.path / name
-        return self.path
+        return self.path / name if self.in_directory else self.path
 
 
 def destination(text: str, directory: bool) -> Destination:
@@ -216,7 +219,7 @@ def plan(dest: Destination, files: list[RemoteFile]) -> PullPlan:
                 raise usage_error(f"{dest.path} holds files this pull would not write ({', '.join(extra[:3])}"
                                   f"{', ...' if len(extra) > 3 else ''}): choose another DEST, or empty it")
     else:
-        if len(files) != 1:
+        if len(files) != 1 and not (dest.in_directory and files):  # metrics into a directory: TensorBoard's too
             raise GpuctlError(f"expected one file from the container, it offered {len(files)}", ExitCode.RUN_FAILED)
         final = dest.final(files[0].name)
         if final.is_dir():

@@ -115,6 +115,25 @@ def test_the_cli_starts_without_what_its_commands_use(args):
         assert done.stdout == f"gpuctl {gpuctl_version}\n"
 
 
+def test_the_ssh_layer_imports_invoke_only_for_a_match_exec(tmp_path):
+    """paramiko imports invoke (a third of its import time) only to run `Match exec`: gpuctl's SSH layer comes
+    without it, and an ssh_config with a `Match exec` still works (invoke is brought in for it)."""
+    import subprocess
+    import sys
+
+    from tests.cli.conftest import REPO
+
+    plain, matching = tmp_path / "plain", tmp_path / "matching"
+    plain.write_text("Host pve\n    User plain\n")
+    matching.write_text("Match exec true\n    User matched\nHost *\n    User other\n")
+    code = ("import sys; from gpuctl.remote import ssh; print('invoke' in sys.modules); "
+            "print(ssh.load_ssh_config(sys.argv[1]).lookup('pve').get('user'), 'invoke' in sys.modules); "
+            "print(ssh.load_ssh_config(sys.argv[2]).lookup('pve').get('user'), 'invoke' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code, str(plain), str(matching)], cwd=REPO, capture_output=True,
+                          text=True, check=True, timeout=60)
+    assert done.stdout.splitlines() == ["False", "plain False", "matched True"]
+
+
 def test_scripts_quote_every_value_and_refuse_missing_ones():
     rendered = scripts.render("run.sh", stage_dir="/root/gpuctl", workdir="/w d", python="py",
                               module="training.train", config="a'b", sets=["k=$(x)"], resume=False, takes_resume=True,

@@ -6,6 +6,7 @@ import json
 import socket
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -127,18 +128,36 @@ def test_a_torch_newer_than_the_driver_is_named():
     assert "newer than the driver supports" in found["cuda"].detail
 
 
+def test_the_torch_fix_keeps_the_choice_the_last_setup_was_given():
+    """After `gpuctl setup --torch 'torch==2.13.0+cpu'`, a plain `gpuctl setup` would replace that torch: the fix
+    says to choose again with --torch (from the index for the driver's CUDA)."""
+    cpu = {"version": "2.13.0+cpu", "cuda": None, "available": False, "device_count": 0}
+
+    def fixes(r: DoctorReply) -> str:
+        return {c.name: c for c in doctor.evaluate(r, requirements.read_requirements())}["gpus"].fix
+
+    chosen = replace(reply(torch=cpu), last_setup={"task": "setup", "torch": "torch==2.13.0+cpu"})
+    assert fixes(chosen) == ("gpuctl setup --torch SPEC --index-url https://download.pytorch.org/whl/cu128 (a CUDA "
+                             "build the driver runs: the last setup's --torch 'torch==2.13.0+cpu' is not one)")
+    plain = "gpuctl setup (installs torch from https://download.pytorch.org/whl/cu128, for the driver's CUDA 12.8)"
+    assert fixes(replace(chosen, last_setup={"task": "setup", "torch": None})) == plain
+    assert fixes(replace(chosen, python_from="option")) == plain  # --python's interpreter is not setup's
+
+
 def test_doctor_reply_decodes_the_scripts_sections():
     data = b"".join(section(k, v) for k, v in [
         ("python", b"python3"), ("python_from", b"default"), ("active", b"3"),
         ("active_record", b'{"id": "tl3", "task": "setup"}'), ("last_run", b'{"id": "tl2"}'),
         ("workspace", b"/dev/vda 1000 400 600 40% /workspace"), ("compile_cache", b"4096"), ("python_found", b"1"),
-        ("probe_rc", b"1"), ("probe", b""), ("probe_stderr", b"Traceback\nSyntaxError: bad")])
+        ("probe_rc", b"1"), ("probe", b""), ("probe_stderr", b"Traceback\nSyntaxError: bad"),
+        ("last_setup", b'{"id": "tl1", "task": "setup", "torch": "torch==2.13.0+cpu"}')])
     got = DoctorReply.parse(data)
     assert (got.python, got.python_from, got.workspace, got.compile_cache_bytes) == ("python3", "default",
                                                                                       (600, 1000), 4096)
     assert [r.run_id for r in got.active] == ["tl3"] and got.active[0].task == "setup"
     assert got.last_run == {"id": "tl2"} and got.gpus_csv is None
     assert got.probe is None and got.probe_error == "exit 1: SyntaxError: bad"
+    assert got.last_setup == {"id": "tl1", "task": "setup", "torch": "torch==2.13.0+cpu"}
 
 
 # gpuctl doctor against the stand-in host -----------------------------------------------------------------
@@ -175,6 +194,25 @@ def test_cpu_torch_against_the_standins_gpus_fails_and_passes_without_gpus(gpuct
     assert lines["gpus"].startswith("warn nvidia-smi shows no GPU") and "trains on the CPU" in lines["gpus"]
     assert not [line for line in lines.values() if line.startswith("fail")]
     assert passed.stderr == ""
+
+
+@pytest.mark.sshd
+def test_doctor_reads_the_torch_the_last_setup_was_given(gpuctl):
+    """The interpreter a setup recorded, given `--torch 'torch==2.13.0+cpu'` (its record says so), against the
+    stand-in's two fake GPUs: the fix line keeps the user's --torch instead of a plain `gpuctl setup`."""
+    gpuctl.path("/root/gpuctl").mkdir(parents=True, exist_ok=True)
+    gpuctl.path("/root/gpuctl/interpreter").write_text("/run/gpuctl-standin-bin/python3\n")
+    records = gpuctl.path("/workspace/.gpuctl")
+    records.mkdir(parents=True)
+    (records / "tl1.json").write_text(json.dumps({"id": "tl1", "task": "setup", "torch": "torch==2.13.0+cpu",
+                                                  "index_urls": [], "exit_code": 0}))
+    result = gpuctl("doctor", "--json")
+    assert result.code == 6, result.stdout + result.stderr
+    checks = checks_of(result)
+    assert checks["python"]["detail"].endswith("(made by gpuctl setup, recorded in /root/gpuctl/interpreter)")
+    assert checks["gpus"]["status"] == "fail" and "a CPU-only build" in checks["gpus"]["detail"]
+    assert checks["gpus"]["fix"].startswith("gpuctl setup --torch SPEC --index-url https://download.pytorch.org/")
+    assert "the last setup's --torch 'torch==2.13.0+cpu' is not one" in checks["gpus"]["fix"]
 
 
 @pytest.mark.sshd
@@ -222,7 +260,12 @@ def test_a_stopped_container_exits_4_and_an_unreachable_host_3(gpuctl, standin):
     assert missing.code == 4 and "container 999 does not exist" in missing.stderr
     fix = missing.json()["checks"][-1]["fix"]
     assert "pct start" not in fix and "pct list" in fix and "--ct" in fix
-    assert "pct start" not in gpuctl("doctor", "--ct", "999").stdout
+    said = gpuctl("doctor", "--ct", "999")  # the one error line names the fix too
+    assert said.code == 4 and "pct start" not in said.stdout + said.stderr
+    expected = ("gpuctl: error: container 999 does not exist on gpuctl-standin (Configuration file "
+                "'nodes/pve/lxc/999.conf' does not exist): pass the right --ct (pct list on the host shows its "
+                "containers)")
+    assert said.stderr.strip().splitlines() == [expected]
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

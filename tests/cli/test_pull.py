@@ -337,3 +337,30 @@ def test_bytes_after_the_last_file_are_counted_not_kept(tmp_path):
         receiver(b"x" * 100_000)
     plan.release()
     assert receiver.extra == 10_000_000 and len(receiver.trailer) == transfer.TRAILER_CAP
+
+
+@pytest.mark.e2e
+def test_pull_metrics_into_a_directory_brings_the_tensorboard_events(gpuctl, tmp_path):
+    """A tiny run with report_to = ["tensorboard"]: `pull --what metrics DIR/` brings its JSON lines and its event
+    files (tensorboard/ in DIR), which TensorBoard's own reader reads back with the logged loss at the logged
+    steps; a file DEST takes the JSON lines alone and says where the events stayed."""
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (scripts/install.sh installs it)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    launched = gpuctl("launch", "--config", "tiny", "--set", 'report_to=["tensorboard"]', "--set", "max_steps=4",
+                      "--set", "log_every=2", "--set", "eval_every=0", "--follow", timeout=600)
+    assert launched.code == 0, launched.stderr[-3000:]
+    doc = pull(gpuctl, "--what", "metrics", f"{tmp_path / 'm'}/")
+    names = [f["name"] for f in doc["files"]]
+    assert names[0] == "tl1.metrics.jsonl" and names[1:] and all(n.startswith("tensorboard/") for n in names[1:])
+    logged = {r["step"]: r["loss"] for r in map(json.loads, (tmp_path / "m" / "tl1.metrics.jsonl").open())}
+    assert sorted(logged) == [2, 4]
+    events = EventAccumulator(str(tmp_path / "m" / "tensorboard"))
+    events.Reload()
+    assert {e.step: e.value for e in events.Scalars("train/loss")} == pytest.approx(logged, rel=1e-6)
+
+    to_file = gpuctl("pull", "--what", "metrics", str(tmp_path / "alone.jsonl"))
+    assert to_file.code == 0, to_file.stderr
+    assert "TensorBoard event files stay in CT" in to_file.stderr and "(DEST/)" in to_file.stderr
+    assert (tmp_path / "alone.jsonl").read_bytes() == (tmp_path / "m" / "tl1.metrics.jsonl").read_bytes()
+    assert not (tmp_path / "tensorboard").exists()

@@ -44,14 +44,18 @@ def the_log(g: Gpuctl, number: int) -> str:
 def test_setup_from_a_local_source_then_nothing_to_install_then_launch_uses_it(copy, standin):
     standin.set_gpus(copy.ctid, [])  # the image's torch is a CPU build: right for a container without GPUs
     build_wheel(copy.path("/workspace/wheels"), "gpuctl-standin-req", "1.0", "WHERE = 'the stand-in wheel'\n")
+    # A config whose report_to names wandb, which this interpreter lacks: setup installs it (a stand-in wheel).
+    build_wheel(copy.path("/workspace/wheels"), "wandb", "0.0.1", "WHERE = 'a stand-in wandb'\n")
 
-    first = copy("setup", "--system-site-packages", "--index-url", "/workspace/wheels", timeout=300)
+    first = copy("setup", "--system-site-packages", "--index-url", "/workspace/wheels", "--config", "tiny",
+                 "--set", 'report_to=["wandb"]', timeout=300)
     assert first.code == 0, first.stdout[-3000:] + first.stderr
     assert "started tl1 (gpuctl setup, " in first.stderr and "tl1 ended: succeeded, exit 0" in first.stderr
     log = the_log(copy, 1)
     assert first.stdout.startswith(log)  # the log streamed, then doctor's checks
     assert "making the virtual environment /root/gpuctl/venv" in log
-    assert "Successfully installed gpuctl-standin-req-1.0" in log
+    assert "Successfully installed gpuctl-standin-req-1.0 wandb-0.0.1" in log
+    assert list(copy.path("/root/gpuctl/venv/lib").glob("python3.*/site-packages/wandb/__init__.py"))
     checks = {line.split()[1]: line.split()[0] for line in first.stdout[len(log):].splitlines()}
     assert checks["python"] == "ok" and checks["packages"] == "ok" and "fail" not in checks.values()
     assert f"{VENV_PYTHON}: Python" in first.stdout and "gpuctl-standin-req 1.0" in first.stdout
@@ -133,6 +137,17 @@ def test_setup_dry_run_sends_nothing(gpuctl):
 
 
 @pytest.mark.sshd
+def test_setup_installs_what_the_configs_report_to_needs(gpuctl):
+    """--config's report_to (after --set) adds its packages to what setup installs and checks it imports."""
+    result = gpuctl("setup", "--dry-run", "--config", "tiny", "--set", 'report_to=["tensorboard", "mlflow"]')
+    assert result.code == 0, result.stderr
+    assert "REQUIREMENTS=( 'transformers>=4.56' 'safetensors>=0.4' tensorboard mlflow )" in result.stdout
+    assert "MODULES=( torch transformers safetensors tensorboard mlflow )" in result.stdout
+    plain = gpuctl("setup", "--dry-run", "--config", "tiny")  # the preset asks for none
+    assert "REQUIREMENTS=( 'transformers>=4.56' 'safetensors>=0.4' )" in plain.stdout
+
+
+@pytest.mark.sshd
 def test_setup_waits_for_an_active_run(gpuctl):
     assert gpuctl.launch_fake("steps=100000").code == 0
     result = gpuctl("setup")
@@ -145,6 +160,10 @@ def test_setup_waits_for_an_active_run(gpuctl):
     (["--venv", "/root/my venv"], "--venv must be an absolute path"),
     (["--index-url", "wheels"], "--index-url takes"),
     (["--torch", ""], "--torch takes a pip requirement"),
+    (["--set", 'report_to=["tensorboard"]'], "--set is for --config"),
+    (["--config", "tiny", "--set", 'report_to=["tb"]'], "report_to takes tensorboard, wandb, mlflow, got 'tb'"),
+    (["--config", "tiny", "--set", "report_to=tensorboard"], "report_to must be list, got 'tensorboard'"),
+    (["--config", "nosuch"], "no preset named 'nosuch'"),
 ])
 def test_bad_setup_options_are_usage_errors(args, expected, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUCTL_", "XDG_"))} | {"HOME": str(tmp_path)}

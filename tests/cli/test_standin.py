@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
+import uuid
 
 import pytest
 from tenacity import retry, stop_after_delay, wait_fixed
 
 from tests.cli.conftest import REPO
+from tests.sandbox import StandInHost
 
 pytestmark = pytest.mark.sshd
 
@@ -86,28 +90,101 @@ def test_nvidia_smi_query(standin, ctid, fmt, expected):
     assert (none.returncode, none.stdout.strip()) == (6, "No devices were found")
 
 
+def clean_env(home) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUCTL_", "SSH_", "XDG_"))}
+    env.update(HOME=str(home), XDG_STATE_HOME=str(home / "state"), PYTHONPATH=str(REPO), NO_COLOR="1")
+    return env
+
+
+def run_with(python: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([python, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
+
+
+def up(python: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    """`python -m tests.sandbox up ARGS`; its exports go into env."""
+    started = run_with(python, env, "-m", "tests.sandbox", "up", *args)
+    assert started.returncode == 0, started.stderr
+    env.update(line.removeprefix("export ").split("=", 1) for line in started.stdout.splitlines())
+    env.update((k, v.strip("'")) for k, v in list(env.items()) if k.startswith("GPUCTL_"))
+    return started
+
+
 def test_an_interpreter_under_tmp_runs_a_launch_to_its_end(tmp_path):
-    """The CLI tests do not depend on where Python lives: with a virtual environment under /tmp (a path `pct
-    exec` mounts over with the container's own), the stand-in host still runs a launch to its end."""
+    """The CLI tests do not depend on where Python lives: with a virtual environment under /tmp (a path the
+    container has its own of), the stand-in host still runs a launch to its end."""
     venv = tmp_path / "venv"  # pytest's tmp_path is under /tmp
     assert str(venv).startswith("/tmp/")
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
     python = str(venv / "bin" / "python")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUCTL_", "SSH_", "XDG_"))}
-    env.update(HOME=str(tmp_path), XDG_STATE_HOME=str(tmp_path / "state"), PYTHONPATH=str(REPO), NO_COLOR="1")
+    env = clean_env(tmp_path)
     standin = tmp_path / "standin"
-
-    def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([python, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
-                              check=False)
-
-    up = run("-m", "tests.sandbox", "up", "--dir", str(standin))
-    assert up.returncode == 0, up.stderr
+    up(python, env, "--dir", str(standin))
     try:
-        env.update(line.removeprefix("export ").split("=", 1) for line in up.stdout.splitlines())
-        env.update((k, v.strip("'")) for k, v in list(env.items()) if k.startswith("GPUCTL_"))
-        launched = run("-m", "gpuctl", "launch", "--python", "fake-trainer", "--set", "fake.steps=2", "--follow")
+        launched = run_with(python, env, "-m", "gpuctl", "launch", "--python", "fake-trainer", "--set",
+                            "fake.steps=2", "--follow")
         assert launched.returncode == 0, launched.stderr
         assert launched.stdout.rstrip().endswith("done, exit 0")
     finally:
-        run("-m", "tests.sandbox", "down", "--dir", str(standin))
+        run_with(python, env, "-m", "tests.sandbox", "down", "--dir", str(standin))
+
+
+def test_up_makes_the_containers_and_gpus_asked_for(tmp_path):
+    """`up --containers 2` makes CT 200 and 201; with no fake GPUs (the default, a CPU machine) doctor passes on
+    each with the CPU torch the container has; `--gpus 3` gives nvidia-smi three."""
+    env = clean_env(tmp_path)
+    standin = tmp_path / "standin"
+    started = up(sys.executable, env, "--dir", str(standin), "--containers", "2")
+    try:
+        assert "CT 200, 201 running with 0 fake GPUs each" in started.stderr
+        assert env["GPUCTL_CT"] == "200"
+        for ctid in ("200", "201"):
+            checked = run_with(sys.executable, env | {"GPUCTL_CT": ctid}, "-m", "gpuctl", "doctor", "--json")
+            assert checked.returncode == 0, checked.stdout + checked.stderr
+            checks = {c["name"]: c for c in json.loads(checked.stdout)["checks"]}
+            assert checks["container"]["detail"] == f"CT {ctid} running"
+            assert checks["gpus"]["status"] == "warn" and "shows no GPU" in checks["gpus"]["detail"]
+    finally:
+        run_with(sys.executable, env, "-m", "tests.sandbox", "down", "--dir", str(standin))
+    assert not standin.exists()
+    up(sys.executable, env, "--dir", str(standin), "--ct", "300", "--gpus", "3")
+    try:
+        listed = StandInHost(standin).pct("exec", "300", "--", "nvidia-smi", "-L")
+        assert [line.split(":")[0] for line in listed.stdout.splitlines()] == ["GPU 0", "GPU 1", "GPU 2"]
+        assert StandInHost(standin).containers() == [300]
+    finally:
+        run_with(sys.executable, env, "-m", "tests.sandbox", "down", "--dir", str(standin))
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--gpus", "-1"], "--gpus must be 0 to 64, got -1"),
+    (["--containers", "0"], "--containers must be 1 to 100, got 0"),
+    (["--ct", "abc"], "--ct must be a whole number, got 'abc'"),
+])
+def test_up_refuses_bad_counts_in_one_line(tmp_path, args, said):
+    refused = run_with(sys.executable, clean_env(tmp_path), "-m", "tests.sandbox", "up", "--dir",
+                       str(tmp_path / "standin"), *args)
+    assert refused.returncode == 2 and said in refused.stderr and "Traceback" not in refused.stderr
+    assert not (tmp_path / "standin").exists()
+
+
+@pytest.mark.e2e
+def test_a_run_writes_nothing_outside_the_standin_dir(gpuctl):
+    """A demo-like run (the tiny preset) naming a data_path no machine has: what it writes (the data it builds
+    there, the tiny target in HOME's cache, the staged package, the log) lands in the container's own root under
+    the stand-in's directory; none of those paths appears on this machine."""
+    unique = f"/gpuctl-nonexistent-{uuid.uuid4().hex[:12]}"
+    named = [unique, "/workspace", "/root/gpuctl", "/root/.cache/gpuctl", "/run/gpuctl-standin-bin"]
+    already = {path for path in named if os.path.lexists(path)}  # a machine's own; the unique one never is
+    try:
+        result = gpuctl("launch", "--config", "tiny", "--set", f"data_path={unique}/train.jsonl",
+                        "--set", "max_steps=2", "--set", "eval_every=0", "--follow", timeout=600)
+        assert result.code == 0, result.stderr[-3000:]
+        assert [path for path in named if path not in already and os.path.lexists(path)] == []
+        # Where they went: the container's root.
+        assert gpuctl.path(f"{unique}/train.jsonl").is_file()
+        assert gpuctl.path("/root/.cache/gpuctl/tiny-v2/target").is_dir()
+        assert gpuctl.path("/workspace/train_tl1.log").is_file()
+    finally:
+        if os.path.isdir(unique):  # the old stand-in wrote there: leave the machine as it was
+            shutil.rmtree(unique)

@@ -59,8 +59,8 @@ def install_script(source: Path, target: Path) -> None:
 
 def interpreter_dirs() -> list[str]:
     """The directories this interpreter runs from (its prefixes and the directory of its executable, also as
-    reached through links): `pct exec` shows them inside the container even where they live under a path the
-    container mounts over (/tmp, say: a virtual environment made there), so the container's python3 runs."""
+    reached through links): `pct exec` binds them into the container's root (where /usr does not show them
+    already: a pyenv under /root, a virtual environment under /tmp), so the container's python3 runs."""
     found = set()
     for path in (sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(sys.executable)):
         found |= {os.path.abspath(path), os.path.realpath(path)}
