@@ -11,12 +11,14 @@ from pathlib import Path
 import dflash.model as reference
 import pytest
 import torch
+from reference_helpers import prompts
+from reference_helpers import served as served_as
 from safetensors.torch import load_file, save_file
 
 from training.acceptance import main as acceptance_main
 from training.attention import build_mask
 from training.checkpoint import check_checkpoint, latest_checkpoint
-from training.data import eval_prompts, load_conversations
+from training.data import load_conversations
 from training.dflash2 import DFlash2Drafter, build_drafter
 from training.evaluate import acceptance_length, build_eval_set
 from training.export import main as export_main
@@ -68,17 +70,6 @@ def trainer_drafter(run: Path, target: Target) -> DFlash2Drafter:
     drafter.load_state_dict(load_file(checkpoint / "drafter.safetensors"))
     assert isinstance(drafter, DFlash2Drafter)
     return drafter.eval()
-
-
-def served(path: Path) -> reference.DFlash2DraftModel:
-    model, info = reference.DFlash2DraftModel.from_pretrained(str(path), output_loading_info=True,
-                                                              dtype=torch.float32)
-    assert info and all(len(entries) == 0 for entries in info.values()), info
-    return model.eval()
-
-
-def prompts(tiny_world, target: Target, count: int) -> list[list[int]]:
-    return eval_prompts(target.tokenizer, load_conversations(str(tiny_world.eval)))[:count]
 
 
 def read_metrics(run: Path) -> list[dict]:
@@ -309,3 +300,7 @@ def test_a_resumed_dflash2_run_gives_the_losses_of_an_uninterrupted_one(tiny_wor
     assert train_main(args + ["--resume"]) == 0
     resumed = {r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r}
     assert resumed == {step: straight[step] for step in range(7, 13)}
+
+
+def served(path: Path) -> reference.DFlash2DraftModel:
+    return served_as(path, reference.DFlash2DraftModel)

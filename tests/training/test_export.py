@@ -12,6 +12,7 @@ from pathlib import Path
 import dflash.model as reference
 import pytest
 import torch
+from reference_helpers import prompts, served
 from safetensors.torch import load_file, save_file
 
 import training.export as export_module
@@ -20,7 +21,7 @@ from training.acceptance import main as acceptance_main
 from training.attention import build_mask
 from training.checkpoint import check_checkpoint, latest_checkpoint, save_checkpoint
 from training.config import ConfigError
-from training.data import encode_chat, eval_prompts, load_conversations
+from training.data import encode_chat, load_conversations
 from training.evaluate import acceptance_length, build_eval_set
 from training.export import main as export_main
 from training.model import Drafter, DrafterConfig
@@ -66,17 +67,6 @@ def trainer_drafter(checkpoint: Path, target: Target) -> Drafter:
                       target.model.get_output_embeddings().weight)
     drafter.load_state_dict(load_file(checkpoint / "drafter.safetensors"))
     return drafter.eval()
-
-
-def served(path: Path) -> reference.DFlashDraftModel:
-    model, info = reference.DFlashDraftModel.from_pretrained(str(path), output_loading_info=True,
-                                                             dtype=torch.float32)
-    assert info and all(len(entries) == 0 for entries in info.values()), info
-    return model.eval()
-
-
-def prompts(tiny_world, target: Target, count: int) -> list[list[int]]:
-    return eval_prompts(target.tokenizer, load_conversations(str(tiny_world.eval)))[:count]
 
 
 # ---- the format ----------------------------------------------------------------------------------------------

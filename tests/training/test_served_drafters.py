@@ -10,11 +10,12 @@ from pathlib import Path
 import dflash.model as reference
 import pytest
 import torch
+from reference_helpers import prompts, served
 
 from training.acceptance import main as acceptance_main
 from training.checkpoint import save_checkpoint
 from training.config import load_config
-from training.data import eval_prompts, load_conversations
+from training.data import load_conversations
 from training.evaluate import acceptance_length, build_eval_set
 from training.export import main as export_main
 from training.export import read_export
@@ -43,22 +44,11 @@ def trained_run(tiny_world, tmp_path_factory) -> Path:
     return out
 
 
-def served(path: Path) -> reference.DFlashDraftModel:
-    model, info = reference.DFlashDraftModel.from_pretrained(str(path), output_loading_info=True,
-                                                             dtype=torch.float32)
-    assert info and all(len(entries) == 0 for entries in info.values()), info
-    return model.eval()
-
-
 def prompt_file(world, where: Path, count: int) -> Path:
     path = where / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": c[0]["content"]}) + "\n"
                             for c in load_conversations(str(world.eval))[:count]))
     return path
-
-
-def prompts(world, target: Target, count: int) -> list[list[int]]:
-    return eval_prompts(target.tokenizer, load_conversations(str(world.eval)))[:count]
 
 
 # ---- τ when sampling -------------------------------------------------------------------------------------------
