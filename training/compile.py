@@ -35,8 +35,9 @@ import torch
 import torch.fx._symbolic_trace as fx_symbolic_trace
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-# Every compile of this process happens under this lock, whichever instance asks for it.
-COMPILE_LOCK = threading.Lock()
+# Every compile of this process happens under this lock, whichever instance asks for it; re-entrant, so that
+# one warm-up (a drafter's training step) can warm several stages at once (training/stages.py).
+COMPILE_LOCK = threading.RLock()
 
 LimitVia = Literal["auto", "compile_kwarg", "thread_config"]
 
@@ -157,13 +158,14 @@ class CallAudit:
 
     def install(self) -> None:
         """Start counting in the calling thread (replaces that thread's profiler until `uninstall`)."""
-        if sys.getprofile() is self._on_event:
+        # `==`, not `is`: each `self._on_event` is a new bound-method object, equal to the one installed.
+        if sys.getprofile() == self._on_event:
             return
         self._previous.hook = sys.getprofile()
         sys.setprofile(self._on_event)
 
     def uninstall(self) -> None:
-        if sys.getprofile() is self._on_event:
+        if sys.getprofile() == self._on_event:
             sys.setprofile(getattr(self._previous, "hook", None))
 
 

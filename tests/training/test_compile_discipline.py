@@ -469,3 +469,24 @@ if __name__ == "__main__" and sys.argv[1:] == ["undisciplined"]:
     report = run_undisciplined()
     print(json.dumps(report), flush=True)
     os._exit(0)  # a hung daemon thread must not keep the process alive
+
+
+def test_the_audit_leaves_the_thread_s_profiler_as_it_found_it():
+    """A warm-up proves each key with the audit's profile hook on, then takes it off: left on, it would run on
+    every Python call of that thread for the whole run (and slow each later compile ~3x)."""
+    audit = CallAudit(flex_attention_cpu_backward)
+
+    def earlier_hook(frame, event, arg):
+        return None
+
+    sys.setprofile(earlier_hook)
+    try:
+        audit.install()
+        assert sys.getprofile() != earlier_hook
+        audit.uninstall()
+        assert sys.getprofile() is earlier_hook
+    finally:
+        sys.setprofile(None)
+    audit.install()
+    audit.uninstall()
+    assert sys.getprofile() is None
