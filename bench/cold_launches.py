@@ -29,6 +29,9 @@ REPO = Path(__file__).resolve().parents[1]
 FX_ERROR = "Detected that you are using FX to symbolically trace a dynamo-optimized function"
 STATS = re.compile(r"compiled flex_attention: (\d+) calls, (\d+) compiles after warm-up, (\d+) eager runs, "
                    r"(\d+) FX traces after warm-up, FX tracing flag (\w+)")
+# compile = "all": each compiled stage's line (training/stages.py StageStats.line)
+STAGE = re.compile(r"compiled ([a-z ]+): (\d+) keys warmed, (\d+) calls, (\d+) compiles after warm-up, "
+                   r"(\d+) eager runs, (\d+) FX traces")
 
 
 def _text(data: bytes | str | None) -> str:
@@ -40,7 +43,7 @@ def _device_list(entries: str) -> str:
     return json.dumps([int(e) if e.isdigit() else e for e in entries.split(",")])
 
 
-def launch(targets: str, drafters: str, buckets: list[int], steps: int, timeout_s: float) -> dict:
+def launch(targets: str, drafters: str, buckets: list[int], steps: int, timeout_s: float, compile_mode: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="cold-") as tmp:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{tmp}/inductor", TRITON_CACHE_DIR=f"{tmp}/triton",
                    GPUCTL_METRICS=f"{tmp}/metrics.jsonl", PYTHONUNBUFFERED="1")
@@ -48,6 +51,7 @@ def launch(targets: str, drafters: str, buckets: list[int], steps: int, timeout_
             "target_devices": _device_list(targets), "drafter_devices": _device_list(drafters), "max_steps": str(steps),
             "length_buckets": json.dumps(buckets), "max_length": str(max(buckets)), "log_every": "10",
             "eval_every": "100000", "save_every": "100000", "output_dir": json.dumps(f"{tmp}/run"),
+            "compile": json.dumps(compile_mode),
         }
         command = [sys.executable, "-m", "training.train", "--config", "tiny"]
         for key, value in overrides.items():
@@ -71,9 +75,16 @@ def launch(targets: str, drafters: str, buckets: list[int], steps: int, timeout_
         "eager": int(stats[3]) if stats else None, "traces": int(stats[4]) if stats else None,
         "flag": stats[5] if stats else None, "busy": last.get("busy"), "queue": last.get("queue_depth"),
         "tokens_per_s": last.get("tokens_per_s"),
+        "stages": {m[1]: {"keys": int(m[2]), "calls": int(m[3]), "compiles": int(m[4]), "eager": int(m[5]),
+                          "traces": int(m[6])} for m in STAGE.finditer(output)},
     }
-    row["ok"] = (code == 0 and not hang and not row["fx_error"] and row["steps"] == steps
-                 and row["compiles"] == 0 and row["eager"] == 0 and row["traces"] == 0 and row["flag"] == "False")
+    stages_clean = all(s["compiles"] == s["eager"] == s["traces"] == 0 and s["calls"] > 0
+                       for s in row["stages"].values())
+    # compile = "all" on CUDA: the target's layers and the drafter's three stages, each with its line
+    stages_there = compile_mode != "all" or len(row["stages"]) == 4
+    row["ok"] = (code == 0 and not hang and not row["fx_error"] and row["steps"] == steps and stages_clean
+                 and stages_there and row["compiles"] == 0 and row["eager"] == 0 and row["traces"] == 0
+                 and row["flag"] == "False")
     if not row["ok"]:
         row["tail"] = output[-3000:]
     return row
@@ -87,6 +98,8 @@ def main() -> int:
     parser.add_argument("--buckets", default="32,48,64,80,96", help="sequence-length buckets (tokens)")
     parser.add_argument("--timeout-s", type=float, default=240)
     parser.add_argument("--parallel", type=int, default=1, help="launches running at once")
+    parser.add_argument("--compile", default="all", choices=("all", "attention"),
+                        help="the trainer's compile setting (all: every stage; attention: flex only)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     buckets = [int(b) for b in args.buckets.split(",")]
@@ -97,7 +110,7 @@ def main() -> int:
 
     def run(job):
         targets, drafters = job[0].split(":")
-        return job, launch(targets, drafters, buckets, args.steps, args.timeout_s)
+        return job, launch(targets, drafters, buckets, args.steps, args.timeout_s, args.compile)
 
     # Launches are independent processes: --parallel N runs N at once (busy fractions then include contention).
     rows = []
@@ -109,6 +122,9 @@ def main() -> int:
                   f"{row['steps']!s:>5} {row['wall_s']:>6} {row['calls']!s:>6} {row['compiles']!s:>9} "
                   f"{row['eager']!s:>5} {row['traces']!s:>7} {row['flag']!s:>5} {row['fx_error']!s:>6} "
                   f"{row['hang']!s:>5}  {busy}", flush=True)
+            for name, stage in row["stages"].items():
+                print(f"{'':>20} compiled {name}: {stage['keys']} keys, {stage['calls']} calls, {stage['compiles']} "
+                      f"compiles*, {stage['eager']} eager, {stage['traces']} traces", flush=True)
             if not row["ok"]:
                 print(row["tail"], file=sys.stderr)
     entries = {t: len(set(t.split(":")[1].split(","))) * len(buckets) for t in args.topology}

@@ -23,6 +23,7 @@ forward is timed twice: as the trainer runs it (up to its last feature layer) an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -45,7 +46,7 @@ from gpu_smoke import QWEN3_8B, SMALL, random_batch
 from training.attention import AttentionMask, build_mask, compile_flex_attention
 from training.devices import autocast
 from training.flops import drafter_flops, target_flops
-from training.loss import MATMUL_WRITES_FLOAT32, block_targets
+from training.loss import MATMUL_WRITES_FLOAT32, block_targets, dflash_loss
 from training.mask import create_block_mask_reference
 from training.model import Drafter, DrafterConfig
 from training.target import default_feature_layers
@@ -53,7 +54,7 @@ from training.target import default_feature_layers
 __all__ = ["DrafterConfig", "drafter_flops", "target_flops"]  # the tests read them here
 
 GAMMA, LR, NUM_FEATURES, BLOCK = 7.0, 6e-4, 5, 16
-VARIANTS = {"new": (), "old": PARTS, **{f"old-{part}": (part,) for part in PARTS}}
+VARIANTS = {"new": (), "compiled": (), "old": PARTS, **{f"old-{part}": (part,) for part in PARTS}}
 OPTIMIZER_RANGE, LOSS_RANGE, FORWARD_RANGE = "optimizer: clip + AdamW", "dflash loss", "drafter forward"
 RANGES = (OPTIMIZER_RANGE, LOSS_RANGE, FORWARD_RANGE)  # record_function names: ranges, not kernels
 
@@ -121,7 +122,7 @@ class Variant:
     name: str
     old_parts: tuple[str, ...]
     chunk_size: int
-
+    compiled: bool = False  # the drafter's stages compiled (compile = "all"): fusion, layer halves
 
 @dataclass
 class Row:
@@ -147,6 +148,7 @@ class Bench:
         from transformers import Qwen3Config
 
         self.device, self.clock, self.matmul_tflops = device, Clock(device), matmul_tflops
+        self.compiled = False  # the running variant's: through the drafter's compiled stages
         cuda = device.type == "cuda"
         self.dtype, self.backend = (torch.bfloat16, "flex") if cuda else (torch.float32, "sdpa")
         self.flex_attention = compile_flex_attention() if self.backend == "flex" else None
@@ -171,6 +173,37 @@ class Bench:
                                    int((weights > 0).sum()))
         self.total_flops = sum(self.flops.values())
 
+    @contextlib.contextmanager
+    def running(self, variant: Variant):
+        """Within the block the drafter runs `variant`'s code; yields the loss function to use."""
+        self.compiled = variant.compiled
+        try:
+            with use_old(self.drafter, variant.old_parts) as loss_fn:
+                yield loss_fn
+        finally:
+            self.compiled = False
+
+    def compile_stages(self, chunk_size: int) -> dict:
+        """compile = "all": the drafter's stages (training/stages.py) warmed on this batch's shapes, forward and
+        backward, as the trainer's main thread warms them; returns the warm-up's seconds and keys."""
+        from training.stages import compiled_drafter_stages, stages_of, warming_all
+
+        self.drafter.stages = compiled_drafter_stages(keys_expected=2 * self.config.num_layers)
+        start = time.time()
+        with warming_all(stages_of(self.drafter.stages)), self.running(Variant("compiled", (), chunk_size, True)):
+            for _ in range(2):
+                self.forward_loss(dflash_loss, chunk_size, self.build_mask()).backward()
+        self.clock.sync()
+        self.optimizer.zero_grad(set_to_none=True)
+        for stage in stages_of(self.drafter.stages):
+            stage.seal()
+        return {"compile_s": time.time() - start, "keys": {s.name: s.stats().keys for s in stages_of(self.drafter.stages)}}
+
+    def stage_counters(self) -> dict:
+        from training.stages import stages_of
+
+        return {s.name: s.stats().line() for s in stages_of(self.drafter.stages)} if self.drafter.stages else {}
+
     def targets(self):
         b = self.batch
         return block_targets(b.input_ids, b.loss_mask, b.anchors, b.block_valid, BLOCK, GAMMA)
@@ -181,7 +214,7 @@ class Bench:
         with autocast(self.device, self.dtype):
             anchor_tokens = self.batch.input_ids.gather(1, self.batch.anchors)
             with record_function(FORWARD_RANGE):
-                hidden = self.drafter(self.features, anchor_tokens, self.batch.anchors, mask)
+                hidden = self.drafter(self.features, anchor_tokens, self.batch.anchors, mask, compiled=self.compiled)
             with record_function(LOSS_RANGE):
                 loss, _ = loss_fn(hidden, self.drafter.lm_head_weight, labels, weights, chunk_size)
         return loss
@@ -211,7 +244,7 @@ class Bench:
         return marks
 
     def loss_and_grads(self, variant: Variant) -> tuple[float, list[torch.Tensor]]:
-        with use_old(self.drafter, variant.old_parts) as loss_fn:
+        with self.running(variant) as loss_fn:
             loss = self.forward_loss(loss_fn, variant.chunk_size, self.build_mask("mask" in variant.old_parts))
             loss.backward()
         grads = [p.grad for p in self.params]
@@ -234,7 +267,7 @@ class Bench:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
         phases = []
-        with use_old(self.drafter, variant.old_parts) as loss_fn:
+        with self.running(variant) as loss_fn:
             for index in range(warmup + repeats):
                 marks = self.step(loss_fn, variant.chunk_size, "mask" in variant.old_parts)
                 self.clock.sync()
@@ -252,7 +285,7 @@ class Bench:
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.clock.cuda else [])
-        with use_old(self.drafter, variant.old_parts) as loss_fn:
+        with self.running(variant) as loss_fn:
             self.step(loss_fn, variant.chunk_size, "mask" in variant.old_parts)  # warm
             self.clock.sync()
             with profile(activities=activities) as prof:
@@ -479,6 +512,10 @@ def print_table(report: dict) -> None:
               f"{r['backward_ms']:7.1f} {r['optimizer_ms']:6.1f} {r['fwd_bwd_ms']:8.1f} {r['step_ms']:7.1f} "
               f"{100 * r['mfu_fwd_bwd']:7.1f}% {100 * r['mfu_step']:8.1f}% {r['peak_gib']:9.1f} "
               f"{r['loss_rel_diff']:8.1e} {r['grad_rel_diff']:8.1e}")
+    if stages := report.get("drafter_stages"):
+        print(f"drafter stages (compile = all): warm-up {stages['compile_s']:.1f} s")
+        for line in stages["counters"].values():
+            print(f"  {line}")
     if profile := report.get("profile"):
         print(f"profile of 'new' ({profile['steps']} steps): {profile['wall_ms_per_step']:.1f} ms/step wall, "
               f"{profile['busy_ms_per_step']:.1f} ms/step busy")
@@ -522,7 +559,10 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(device, dims, context, num_anchors, rate)
     print(f"drafter built in {time.time() - start:.1f} s: {bench.drafter.num_trainable() / 1e6:.1f} M trainable; "
           f"counted {bench.total_flops:.3e} FLOP/step", flush=True)
-    variants = [Variant(name, VARIANTS[name], args.chunks[0]) for name in args.variant_names]
+    variants = [Variant(name, VARIANTS[name], args.chunks[0], name == "compiled") for name in args.variant_names]
+    stages = bench.compile_stages(args.chunks[0]) if "compiled" in args.variant_names else None
+    if stages:
+        print(f"drafter stages compiled in {stages['compile_s']:.1f} s: {stages['keys']}", flush=True)
     variants += [Variant(f"new chunk={chunk}", (), chunk) for chunk in args.chunks[1:]]
     differences = bench.differences(variants)
     rows = []
@@ -542,6 +582,7 @@ def main(argv: list[str] | None = None) -> int:
         "mm_float32_output": MATMUL_WRITES_FLOAT32 and device.type == "cuda",
         "trainable_params": bench.drafter.num_trainable(), "flops": bench.flops, "flops_total": bench.total_flops,
         "variants": [asdict(r) for r in rows],
+        "drafter_stages": {**stages, "counters": bench.stage_counters()} if stages else None,
     }
     if args.profile:
         report["profile"] = bench.profile(Variant("new", (), args.chunks[0]), args.profile_steps)

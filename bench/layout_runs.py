@@ -115,14 +115,14 @@ def print_stages(report: dict) -> None:
 
 def print_runs(rows: list[dict], rate: float | None, devices: int) -> None:
     print(f"\n== qwen3-8b-random layouts on {devices} device(s), batch_size 1 ==")
-    print(f"{'layout':12} {'chosen':10} {'steps':>5} {'tok/s':>8} {'vs colocated':>12} {'TFLOP/s':>8} {'MFU':>6} "
+    print(f"{'layout':24} {'chosen':10} {'steps':>5} {'tok/s':>8} {'vs colocated':>12} {'TFLOP/s':>8} {'MFU':>6} "
           f"{'peak GiB':>9} {'predicted':>10} {'meas/pred':>9}")
     base = next((r["tokens_per_s"] for r in rows if r["layout"] == "colocated"), None)
     for r in rows:
         mfu = f"{100 * r['tflops_per_s'] / (rate * devices):5.1f}%" if rate else "     -"
         predicted = r["predicted_tokens_per_s"]
         ratio = r["tokens_per_s"] / predicted if predicted else None
-        print(f"{r['layout']:12} {r['chosen']!s:10} {r['steps']:5d} {r['tokens_per_s']:8.0f} "
+        print(f"{r['layout']:24} {r['chosen']!s:10} {r['steps']:5d} {r['tokens_per_s']:8.0f} "
               f"{(r['tokens_per_s'] / base if base else float('nan')):12.3f} {r['tflops_per_s']:8.1f} {mfu:>6} "
               f"{r['peak_gib']:9.1f} {(f'{predicted:.0f}' if predicted else '-'):>10} "
               f"{(f'{ratio:.3f}' if ratio else '-'):>9}")
@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--repeats", type=int, default=5, help="timed drafter steps per stage variant")
     parser.add_argument("--layouts", default="colocated,1:1,auto")
+    parser.add_argument("--compile", default="all",
+                        help="comma list of the trainer's compile settings: each layout runs once per setting")
     parser.add_argument("--skip-stages", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="CPU, toy shapes: checks the script")
     parser.add_argument("--out", type=Path, help="logs, metrics and summary.json (default: a temporary dir)")
@@ -158,15 +160,18 @@ def main(argv: list[str] | None = None) -> int:
     deadline = started + args.budget_s
     device = '"cpu"' if args.smoke else f"[{args.gpu}]"
     rows, skipped = [], []
+    modes = [mode.strip() for mode in args.compile.split(",") if mode.strip()]
     for layout in [name.strip() for name in args.layouts.split(",") if name.strip()]:
-        left = deadline - time.time()
-        if left < 60:
-            skipped.append(layout)
-            continue
-        args.run_timeout = min(args.run_timeout, left)
-        rows.append(train_run(layout.replace(":", "-") if ":" in layout else layout,
-                              [f"devices={device}", f"topology={layout}"], args, out))
-        rows[-1]["layout"] = layout
+        for mode in modes:
+            name = layout if len(modes) == 1 else f"{layout} compile={mode}"
+            left = deadline - time.time()
+            if left < 60:
+                skipped.append(name)
+                continue
+            args.run_timeout = min(args.run_timeout, left)
+            rows.append(train_run(name.replace(":", "-").replace(" ", "-").replace("=", "-"),
+                                  [f"devices={device}", f"topology={layout}", f'compile="{mode}"'], args, out))
+            rows[-1]["layout"] = name
     # The stages last: the layouts are the issue's question; the stages' table is its second.
     args.stage_timeout = min(args.stage_timeout, max(deadline - time.time(), 0.0))
     report = None if args.skip_stages or args.stage_timeout < 60 else stages(args, out)

@@ -70,10 +70,13 @@ class DFlash2Layer(DraftLayer):
         self.attention_conv = GroupedCausalConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size, c.block_size)
         self.mlp_conv = GroupedCausalConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size, c.block_size)
 
-    def forward(self, hidden: torch.Tensor, context: torch.Tensor, rope_q: tuple, rope_kv: tuple,
-                mask) -> torch.Tensor:
+    def before_attention(self, hidden: torch.Tensor, context: torch.Tensor, rope_q: tuple, rope_kv: tuple):
         x, kernel = self.attention_conv.prepare(self.input_norm(hidden))
-        hidden = hidden + self.attention_conv.finish(self.attention(x, context, rope_q, rope_kv, mask), kernel)
+        return (*self.project(x, context, rope_q, rope_kv), (kernel,))
+
+    def after_attention(self, hidden: torch.Tensor, attended: torch.Tensor, carry: tuple) -> torch.Tensor:
+        (kernel,) = carry
+        hidden = hidden + self.attention_conv.finish(self.o_proj(attended.flatten(2)), kernel)
         x, kernel = self.mlp_conv.prepare(self.post_attention_norm(hidden))
         return hidden + self.mlp_conv.finish(self.mlp(x), kernel)
 

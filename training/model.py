@@ -16,6 +16,7 @@ DFlash2 (the reference's DFlash2DraftModel) builds on these classes: training/df
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -143,6 +144,65 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
+def attend_heads_last(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+    """Attention's output as [B, T, H, d], contiguous whichever backend made it: one layout for the half after
+    attention (one compiled key), and the copy the output projection's reshape made anyway."""
+    out = attend(q, k, v, mask).transpose(1, 2)
+    return restrided(out, contiguous_strides(out.shape))
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def projected_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """[B, H, T, d] as the transposed view of a [B, T, H, d] projection (what eager gives and flex is warmed with)."""
+    batch, heads, length, dim = shape
+    outer, time, head, last = contiguous_strides((batch, length, heads, dim))
+    return outer, head, time, last
+
+
+def restrided(x: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """x with exactly `stride`. A compiled function (a stage, flex_attention) may give a dimension of size 1 any
+    stride, and dynamo's guards, so the stages' and the shared flex_attention's keys, tell strides apart (seen on
+    an H200 at one row a micro-batch). No copy where only such strides differ."""
+    if x.stride() == stride:
+        return x
+    if all(have == want for have, want, size in zip(x.stride(), stride, x.shape) if size > 1):
+        return x.as_strided(x.shape, stride)
+    return torch.empty_strided(x.shape, stride, dtype=x.dtype, device=x.device).copy_(x)
+
+
+def fuse_features(drafter: Drafter, features: torch.Tensor) -> torch.Tensor:
+    """The fusion layer: the target's concatenated features [B, S, n*D] -> the context [B, S, D]."""
+    return drafter.hidden_norm(drafter.fc(features))
+
+
+def layer_before_attention(layer: DraftLayer, hidden, context, rope_q, rope_kv):
+    return layer.before_attention(hidden, context, rope_q, rope_kv)
+
+
+def layer_after_attention(layer: DraftLayer, hidden, attended, carry):
+    return layer.after_attention(hidden, attended, carry)
+
+
+@dataclass(frozen=True)
+class DrafterStages:
+    """What a training forward runs around attention: the fusion layer, and each layer's half before and after
+    attention. compile = "all" sets compiled ones (training/stages.py); these functions are what they compile."""
+
+    fusion: Callable = fuse_features
+    before_attention: Callable = layer_before_attention
+    after_attention: Callable = layer_after_attention
+
+    def __deepcopy__(self, memo) -> DrafterStages:
+        return self  # one set per process: a replica copied to another device shares them
+
+
 class DraftLayer(nn.Module):
     def __init__(self, config: DrafterConfig):
         super().__init__()
@@ -163,12 +223,25 @@ class DraftLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, context: torch.Tensor, rope_q: tuple, rope_kv: tuple,
                 mask: AttentionMask) -> torch.Tensor:
-        hidden = hidden + self.attention(self.input_norm(hidden), context, rope_q, rope_kv, mask)
+        q, k, v, carry = self.before_attention(hidden, context, rope_q, rope_kv)
+        return self.after_attention(hidden, attend_heads_last(q, k, v, mask), carry)
+
+    # The layer in two halves around attention: compile = "all" compiles each half (training/stages.py) and
+    # leaves attention to the run's one shared flex_attention, whose discipline stays whole (ARCHITECTURE §6).
+    def before_attention(self, hidden: torch.Tensor, context: torch.Tensor, rope_q: tuple,
+                         rope_kv: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
+        """q [B, H, T, d], k and v [B, Hkv, S + T, d] for the block tokens `hidden` [B, T, D], and what the
+        half after attention needs beside them (nothing here; DFlash2's convolution kernel)."""
+        return (*self.project(self.input_norm(hidden), context, rope_q, rope_kv), ())
+
+    def after_attention(self, hidden: torch.Tensor, attended: torch.Tensor, carry: tuple) -> torch.Tensor:
+        """The residual stream after this layer, from attention's output `attended` [B, T, H, d]."""
+        hidden = hidden + self.o_proj(attended.flatten(2))
         return hidden + self.mlp(self.post_attention_norm(hidden))
 
-    def attention(self, x: torch.Tensor, context: torch.Tensor, rope_q: tuple, rope_kv: tuple,
-                  mask: AttentionMask) -> torch.Tensor:
-        """The attention sublayer's output (before the residual) for the normed block tokens x [B, T, D]."""
+    def project(self, x: torch.Tensor, context: torch.Tensor, rope_q: tuple,
+                rope_kv: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v for the normed block tokens x [B, T, D] and the fused context [B, S, D], RoPE applied."""
         batch, q_len, _ = x.shape
         kv_len = context.shape[1] + q_len
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -184,8 +257,7 @@ class DraftLayer(nn.Module):
         v = torch.cat([v_context, v_block], dim=1).view(batch, kv_len, self.num_kv_heads, -1)
         q = apply_rotary(q.transpose(1, 2), *rope_q)
         k = apply_rotary(self.k_norm(k).transpose(1, 2), *rope_kv)
-        out = attend(q, k, v.transpose(1, 2), mask)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, -1))
+        return q, k, v.transpose(1, 2)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -213,6 +285,7 @@ class Drafter(nn.Module):
         self.rope_inv_freq, self.rope_scaling = rope_frequencies(c.rope_parameters, c.head_dim,
                                                                  c.max_position_embeddings, device="cpu")
         self._rope_on: dict[torch.device, torch.Tensor] = {}
+        self.stages: DrafterStages | None = None  # compile = "all": the compiled ones (training/stages.py)
         self.reset_parameters()
 
     @property
@@ -227,12 +300,14 @@ class Drafter(nn.Module):
                 nn.init.ones_(module.weight)
 
     def forward(self, features: torch.Tensor, anchor_tokens: torch.Tensor, anchors: torch.Tensor,
-                mask: AttentionMask) -> torch.Tensor:
+                mask: AttentionMask, compiled: bool = False) -> torch.Tensor:
         """features [B, S, n*D], anchor_tokens/anchors [B, N] -> final-normed hidden states [B, N*block, D];
-        row n*block + k predicts the token at anchors[:, n] + k."""
+        row n*block + k predicts the token at anchors[:, n] + k. `compiled`: through `self.stages` (the training
+        batches' fixed shapes; evaluation's vary and stay eager)."""
         batch, context_len, _ = features.shape
         num_blocks, block = anchors.shape[1], self.config.block_size
-        context = self.hidden_norm(self.fc(features))
+        stages = self.stages if compiled else None
+        context = stages.fusion(self, features) if stages else fuse_features(self, features)
         # The served block: the anchor token, then the mask token, all embedded by the target's frozen table.
         block_tokens = torch.full((batch, num_blocks, block), self.config.mask_token_id, dtype=anchor_tokens.dtype,
                                   device=anchor_tokens.device)
@@ -249,7 +324,13 @@ class Drafter(nn.Module):
         rope_q = rotary_tables(block_positions, c.head_dim, c.rope_theta, *rope)
         rope_kv = rotary_tables(torch.cat([context_positions, block_positions], dim=1), c.head_dim, c.rope_theta, *rope)
         for layer in self.layers:
-            hidden = layer(hidden, context, rope_q, rope_kv, mask.sliding if layer.sliding else mask)
+            layer_mask = mask.sliding if layer.sliding else mask
+            if stages is None:
+                hidden = layer(hidden, context, rope_q, rope_kv, layer_mask)
+                continue
+            q, k, v, carry = stages.before_attention(layer, hidden, context, rope_q, rope_kv)
+            q, k, v = (restrided(t, projected_strides(t.shape)) for t in (q, k, v))
+            hidden = stages.after_attention(layer, hidden, attend_heads_last(q, k, v, layer_mask), carry)
         return self.norm(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +38,7 @@ from training.compile import (
     _is_recompile_limit_hit,
     compile_accepts_recompile_limit,
 )
+from training.model import DrafterStages, fuse_features, layer_after_attention, layer_before_attention
 
 
 def resolve_compile(mode: str, device: torch.device, backend: str) -> str:
@@ -72,9 +73,14 @@ def _describe(value) -> object:
     return ("value", value if isinstance(value, (int, float, bool, str, type(None))) else repr(value))
 
 
+def _autocast_state() -> tuple:
+    """Dynamo guards on the autocast state too: the drafter's stages run under bf16 autocast on a GPU."""
+    return tuple((kind, torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda") if torch.is_autocast_enabled(kind))
+
+
 def stage_key(args: tuple, kwargs: dict) -> tuple:
     leaves, spec = tree_flatten((args, kwargs))
-    return (torch.is_grad_enabled(), str(spec), tuple(_describe(leaf) for leaf in leaves))
+    return (torch.is_grad_enabled(), _autocast_state(), str(spec), tuple(_describe(leaf) for leaf in leaves))
 
 
 class CompiledStage:
@@ -111,6 +117,11 @@ class CompiledStage:
         """Warm-up is over: from now on only warmed keys are called, and compiles are counted."""
         self._events_at_seal = self._events.count
         self._sealed = True
+
+    def steady(self) -> None:
+        """Every thread of the run has warmed up (the pipeline's barrier): count compiles from here, so that the
+        shared flex_attention's own warm-up in the pipeline's threads, after this stage's seal, is not counted."""
+        self._events_at_seal = self._events.count
 
     def __call__(self, *args, **kwargs):
         key = stage_key(args, kwargs)
@@ -155,9 +166,10 @@ class CompiledStage:
 
     @staticmethod
     def _say(key: tuple) -> str:
-        grad, _, leaves = key
+        grad, autocast, _, leaves = key
         tensors = [f"{tuple(d[1])} {d[3]} on {d[4]}".replace("torch.", "") for d in leaves if d[0] == "tensor"]
-        return f"grad={grad}, tensors {', '.join(tensors)}"
+        autocast = f", autocast {autocast}".replace("torch.", "") if autocast else ""
+        return f"grad={grad}{autocast}, tensors {', '.join(tensors)}"
 
     def stats(self) -> StageStats:
         with self._lock:
@@ -173,3 +185,24 @@ class CompiledStage:
 def decoder_layer_forward(layer: nn.Module, *args, **kwargs):
     """A transformers decoder layer's own forward: the function the target's layers stage compiles."""
     return type(layer).forward(layer, *args, **kwargs)
+
+
+def compiled_drafter_stages(keys_expected: int) -> DrafterStages:
+    """compile = "all": the drafter's fusion layer and its layers' halves around attention, each one compiled
+    function for every layer and replica (training/model.py DrafterStages), sized to `keys_expected` each."""
+    return DrafterStages(*(CompiledStage(name, fn, keys_expected=keys_expected) for name, fn in (
+        ("drafter fusion", fuse_features), ("drafter layers before attention", layer_before_attention),
+        ("drafter layers after attention", layer_after_attention))))
+
+
+def stages_of(stages: DrafterStages) -> list[CompiledStage]:
+    return [stages.fusion, stages.before_attention, stages.after_attention]
+
+
+@contextmanager
+def warming_all(stages: list[CompiledStage]) -> Iterator[None]:
+    """Warm several stages in one block (one step calls them all): the lock is taken once per stage, re-entrant."""
+    with ExitStack() as stack:
+        for stage in stages:
+            stack.enter_context(stage.warming())
+        yield

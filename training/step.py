@@ -23,17 +23,18 @@ class DrafterOutput:
 
 def drafter_stage(drafter: Drafter, features: torch.Tensor, batch: Batch, backend: str, gamma: float,
                   chunk_size: int, dtype: torch.dtype, flex_attention: FlexAttention | None = None,
-                  selector_loss_alpha: float = 1.0) -> DrafterOutput:
+                  selector_loss_alpha: float = 1.0, compiled: bool = False) -> DrafterOutput:
     """Forward pass and loss; `batch` must already be on the drafter's device. The flex backend calls
     `flex_attention` (see training/attention.py). A DFlash2 drafter adds its selector's objective
-    (training/selector_loss.py), weighted by `selector_loss_alpha`."""
+    (training/selector_loss.py), weighted by `selector_loss_alpha`. `compiled`: the drafter's forward through
+    its compiled stages, where compile = "all" gave it some (training/stages.py)."""
     block = drafter.config.block_size
     mask = build_mask(backend, batch.anchors, batch.block_valid, batch.input_ids.shape[1], block, flex_attention,
                       sliding_window=drafter.config.attention_window)
     labels, weights = block_targets(batch.input_ids, batch.loss_mask, batch.anchors, batch.block_valid, block, gamma)
     with autocast(features.device, dtype):
         anchor_tokens = batch.input_ids.gather(1, batch.anchors)
-        hidden = drafter(features, anchor_tokens, batch.anchors, mask)
+        hidden = drafter(features, anchor_tokens, batch.anchors, mask, compiled=compiled)
         if drafter.config.architecture == "dflash2":
             loss, accuracy = dflash2_loss(hidden, drafter, labels, weights, chunk_size, selector_loss_alpha)
         else:

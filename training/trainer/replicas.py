@@ -53,7 +53,7 @@ class DrafterReplica:
     def loss(self, features: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         output = drafter_stage(self.drafter, features, batch, self.backend, self.config.gamma,
                                self.config.loss_chunk_size, self.dtype, self.flex_attention,
-                               self.config.selector_loss_alpha)
+                               self.config.selector_loss_alpha, compiled=True)
         return output.loss, {"accuracy": output.accuracy}
 
     def optimizer_step(self) -> None:

@@ -172,8 +172,14 @@ class Trainer:
         self.nodes.begin(step)  # the first step's collectives wait out every node's warm-up
         return Pipeline(pipeline_config, [TargetReplica(t) for t in world.targets[:n_targets]],
                         replicas[:n_drafters], source, start_step=step, max_steps=config.max_steps,
-                        on_step=self.after_step, colocated=colocated, on_steady=self.step_log.steady,
+                        on_step=self.after_step, colocated=colocated, on_steady=lambda: self.on_steady(world),
                         nodes=self.nodes)
+
+    def on_steady(self, world: World) -> None:
+        """Every pipeline thread has warmed up, none has started: time and count compiles from here."""
+        self.step_log.steady()
+        if world.compiled is not None:
+            world.compiled.steady()
 
     def after_step(self, report: StepReport) -> None:
         """In the leader replica's thread, after every step: the components in order."""

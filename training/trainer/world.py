@@ -31,9 +31,10 @@ from training.layout import (
 from training.model import Drafter, DrafterConfig
 from training.random_world import NUM_CONVERSATIONS as NUM_RANDOM_CONVERSATIONS
 from training.random_world import random_target, synthetic_conversations
-from training.stages import CompiledStage, decoder_layer_forward, resolve_compile
+from training.stages import resolve_compile
 from training.target import Target
 from training.tokenized import load_training_data
+from training.trainer.compiled import CompiledRun
 from training.trainer.replicas import DrafterReplica, shared_flex_attention
 from training.warm_start import WarmStart, apply_warm_start, read_warm_start
 
@@ -125,25 +126,6 @@ def build_drafters(config: TrainConfig, target: Target, devices: list[torch.devi
     return [drafter] + [copy.deepcopy(drafter).to(device) for device in devices[1:]]
 
 
-def target_layer_stage(config: TrainConfig, target: Target, devices: int) -> CompiledStage:
-    """compile = "all": the target's decoder layers, one compiled function for every layer, sized to every
-    target device x length bucket (dynamo may keep an entry per layer: the limit allows it)."""
-    keys = devices * len(config.buckets())
-    return CompiledStage("target layers", decoder_layer_forward, keys_expected=keys * target.layers_run)
-
-
-def warm_target_layers(config: TrainConfig, target: Target, stage: CompiledStage) -> None:
-    """In the main thread, before any pipeline thread: the target's layers through `stage`, compiled for every
-    length bucket at the micro-batch's rows on the target's device (the training batches' shapes)."""
-    if target.layer_stage is stage:
-        return  # the trial's target, warmed already
-    target.compile_layers(stage)
-    with stage.warming():
-        for bucket in config.buckets():
-            ids = torch.zeros(config.micro_batch_rows(), bucket, dtype=torch.long, device=target.device)
-            target.features(ids, compiled=True)
-
-
 TRIAL_BATCHES = 4  # micro-batches the layout trial times each stage on (the first is warm-up)
 
 
@@ -205,20 +187,20 @@ class World:
     shared_flex: SharedFlexAttention | None
     choice: Choice | None  # topology "auto": what it measured and why it chose the layout
     data_id: dict  # what identifies the training data (load_data)
-    layer_stage: CompiledStage | None = None  # compile = "all": the target's decoder layers
+    compiled: CompiledRun | None = None  # compile = "all": the target's and the drafter's compiled stages
 
     def close(self) -> None:
         """The compiled stages' discipline ends (their counters stay readable)."""
         if self.shared_flex is not None:
             self.shared_flex.close()
-        if self.layer_stage is not None:
-            self.layer_stage.close()
+        if self.compiled is not None:
+            self.compiled.close()
 
     def say_compile_counters(self) -> None:
         """The proof of the compile discipline, in the run's log (ARCHITECTURE §6; bench/cold_launches.py reads
         it)."""
-        if self.layer_stage is not None:
-            say(self.layer_stage.stats().line())
+        if self.compiled is not None:
+            self.compiled.say_counters()
         if self.shared_flex is None:
             return
         stats = self.shared_flex.stats()
@@ -236,12 +218,6 @@ def build_world(config: TrainConfig, layout: Layout | None, devices: list[torch.
     first = [devices[0]]
     warm = read_warm_start(config)  # a bad init_from before the target's weights load
     targets = load_targets(config, place(layout.target_replica_devices) if layout else first, dtype)
-    layer_stage = None
-    if resolve_compile(config.compile, targets[0].device, backend) == "all":
-        layer_stage = target_layer_stage(config, targets[0], len(layout.target_replica_devices) if layout
-                                         else len(devices))
-        for target in targets:
-            warm_target_layers(config, target, layer_stage)
     stream, held_out, data_id = load_data(config, targets[0].tokenizer)
     replica_devices = place(layout.replica_devices) if layout else first
     drafters = build_drafters(config, targets[0], replica_devices, warm)
@@ -250,11 +226,16 @@ def build_world(config: TrainConfig, layout: Layout | None, devices: list[torch.
         shared_flex = shared_flex_attention(config, drafters[0].config, replica_devices if layout else devices,
                                             dtype, threads=len(replica_devices) if layout else None)
     replicas = [DrafterReplica(d, config, backend, dtype, shared_flex) for d in drafters]
+    compiled = None
+    if resolve_compile(config.compile, targets[0].device, backend) == "all":
+        sized_for = max(len(layout.target_replica_devices), len(layout.replica_devices)) if layout else len(devices)
+        compiled = CompiledRun(config, targets[0], config.num_draft_layers, sized_for)
+        warm_compiled(compiled, targets, replicas, dtype)
     if layout is not None:
-        if layer_stage is not None:
-            layer_stage.seal()
+        if compiled is not None:
+            compiled.seal()
         return World(layout, place(layout.devices), targets, replicas, stream, held_out, shared_flex, None, data_id,
-                     layer_stage)
+                     compiled)
 
     choice = layout_trial(config, devices, targets[0], replicas[0], stream, shared_flex)
     layout = choice.chosen.layout
@@ -263,8 +244,6 @@ def build_world(config: TrainConfig, layout: Layout | None, devices: list[torch.
     for name in layout.target_replica_devices:
         reuse = name == trial_device and trial_target not in targets
         targets += [trial_target] if reuse else load_targets(config, [torch.device(name)], dtype)
-        if layer_stage is not None:
-            warm_target_layers(config, targets[-1], layer_stage)
     for name in layout.replica_devices:
         reuse = name == trial_device and trial_replica not in replicas
         drafter = trial_replica.drafter if reuse else copy.deepcopy(trial_replica.drafter).to(torch.device(name))
@@ -275,7 +254,18 @@ def build_world(config: TrainConfig, layout: Layout | None, devices: list[torch.
         torch.cuda.empty_cache()  # a trial replica the layout does not keep
     if shared_flex is not None:
         shared_flex.expect_threads(len(replicas))
-    if layer_stage is not None:
-        layer_stage.seal()
+    if compiled is not None:
+        warm_compiled(compiled, targets, replicas, dtype)
+        compiled.seal()
     return World(layout, place(layout.devices), targets, replicas, stream, held_out, shared_flex, choice, data_id,
-                 layer_stage)
+                 compiled)
+
+
+def warm_compiled(compiled: CompiledRun, targets: list[Target], replicas: list[DrafterReplica],
+                  dtype: torch.dtype) -> None:
+    """In the main thread, before the trial and any pipeline thread: every target's layers and every drafter
+    replica's stages on its device (one already warmed is skipped)."""
+    for target in targets:
+        compiled.warm_target(target)
+    for replica in replicas:
+        compiled.warm_drafter(replica, dtype)
