@@ -110,8 +110,8 @@ class TrainConfig:
     colocated_devices: list[int | str] | str = field(default_factory=list)
     dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on the CPU
     attention: str = "auto"  # auto = flex on CUDA, sdpa on the CPU (and with compile = "off")
-    # What torch.compile compiles (ARCHITECTURE §6): "all" = the target's decoder layers and the drafter's
-    # attention; "attention" = the drafter's flex_attention only; "off" = nothing (SDPA attention: uncompiled flex
+    # What torch.compile compiles (ARCHITECTURE §6): "all" = the target's decoder layers, the drafter's fusion
+    # layer and layers, and its attention; "attention" = the drafter's flex_attention only; "off" = nothing (SDPA attention: uncompiled flex
     # is the dense path DESIGN §6 forbids); "auto" = all on CUDA, on the CPU attention where it is flex, else off
     compile: str = "auto"
     num_threads: int = 0  # torch CPU threads; 0 = torch's default
