@@ -142,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--repeats", type=int, default=5, help="timed drafter steps per stage variant")
     parser.add_argument("--layouts", default="colocated,1:1,auto")
-    parser.add_argument("--compile", default="all",
-                        help="comma list of the trainer's compile settings: each layout runs once per setting")
+    parser.add_argument("--compile", default="auto",
+                        help="comma list of the trainer's compile settings (auto: the preset's, all on CUDA): each "
+                             "layout runs once per setting")
     parser.add_argument("--skip-stages", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="CPU, toy shapes: checks the script")
     parser.add_argument("--out", type=Path, help="logs, metrics and summary.json (default: a temporary dir)")
