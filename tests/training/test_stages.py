@@ -25,6 +25,15 @@ from training.trainer.replicas import DrafterReplica
 from training.trainer.world import build_drafters
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo_caches():
+    """dynamo keeps its cache entries on the compiled function's code object for the whole process: a run has one
+    set of stages, but these tests build several in one process, whose entries would add up past each limit."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def compiled_target(world) -> tuple[Target, CompiledStage]:
     target = Target.load(str(world.target), "cpu", torch.float32)
     stage = CompiledStage("target layers", decoder_layer_forward, keys_expected=target.layers_run)
