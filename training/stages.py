@@ -1,6 +1,7 @@
 """Compiled stages beside flex_attention, under the same discipline (ARCHITECTURE §6; issue 27).
 
-`compile = "all"` compiles the target's decoder layers: the 34 layers of a Qwen3-8B `features` call share one
+`compile = "all"` compiles the target's decoder layers, and the drafter's fusion layer and layer halves around
+attention (`compiled_drafter_stages`, warmed by training/trainer/compiled.py). The target's: the 34 layers of a Qwen3-8B `features` call share one
 code object, so one `torch.compile(layer_forward, dynamic=False, fullgraph=True)` serves them all, and fuses
 what eager runs as many small kernels (norms, rotary, the MLP's activation). The discipline is SharedFlexAttention's:
 
@@ -114,7 +115,7 @@ class CompiledStage:
                 self._thread.warming = False
 
     def seal(self) -> None:
-        """Warm-up is over: from now on only warmed keys are called, and compiles are counted."""
+        """Warm-up is over: from now on only warmed keys are called, and compiles are counted (from `steady()` in a run)."""
         self._events_at_seal = self._events.count
         self._sealed = True
 
