@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -31,3 +31,16 @@ def autocast(device: torch.device | str, dtype: torch.dtype):
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
+
+
+@contextlib.contextmanager
+def on_own_stream(device: torch.device) -> Iterator[torch.cuda.Stream | None]:
+    """Run the calling thread on `device`, on a stream of its own when it is a GPU (the pipeline's threads, and
+    the layout trial's pair: two threads on one GPU overlap only on distinct streams)."""
+    if device.type != "cuda":
+        yield None
+        return
+    torch.cuda.set_device(device)
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        yield stream

@@ -6,11 +6,13 @@ one thread: the serial loop). `topology` names one over `devices`: "colocated" (
 T entries targets, the other D drafters; or all T + D threads on a single entry), or "auto".
 
 "auto" measures, at warm-up on the run's own shapes, a target forward and a drafter step per sequence (t_t,
-t_d) and their memory (`StageProfile`), predicts every candidate's throughput and memory with the model below,
-and takes the fastest that fits (on a tie, the one with fewest replicas, then the one listed first: all
-colocated comes first). Candidates give
-each device one role: C colocated + T targets + D drafters = the number of devices (T and D both 0 or both
-at least 1).
+t_d), their memory, and a target thread and a drafter thread running at once on the first device, each on its
+own stream (t_p per sequence at the pair's steady rate: `StageProfile`), predicts every candidate's throughput
+and memory with the model below, and takes the fastest that fits (on a tie, the one with fewest replicas, then
+the one listed first: all colocated comes first). Candidates give each device one role: C colocated + T targets
++ D drafters = the number of devices (T and D both 0 or both at least 1); on GPUs, one more gives every device
+a target thread and a drafter thread ("1:1" on one GPU, "N:N" on N): their kernels overlap on the card, which
+the serial loop's cannot.
 
 The throughput model, per step of M micro-batches of r sequences:
 - the M micro-batches are shared out among the replicas, which meet at the step's end: a colocated replica
@@ -22,13 +24,16 @@ The throughput model, per step of M micro-batches of r sequences:
   D / t_d): the two kinds of capacity add up, and a T:D split is at best as fast as all colocated (equal
   when T / t_t = D / t_d). With few (the recipe's batch_size = 1: one micro-batch a step) only one replica
   works per step, and a 1:1 split beats any number of colocated replicas.
+- a device holding a pair works like a colocated replica whose micro-batch costs r t_p: the contention between
+  the two threads is in the measured t_p.
 Left out: the optimizer step, the gradient sum and the data work (every layout pays them once a step), and
-contention between threads sharing a device (candidates never share one).
+the copies of features between devices (a pair's drafter may take another device's features).
 
 Memory per device: the static bytes of each replica on it (target: its weights; drafter: fp32 weights, AdamW's
 two moments, the frozen embedding and LM head) plus each thread's peak above them, as measured in the trial (a
 colocated thread holds a micro-batch's features through its drafter step), plus the queue's features on
-target devices (queue_depth micro-batches) and one micro-batch's features on drafter devices. A layout fits
+target devices (queue_depth micro-batches) and one micro-batch's features on drafter devices; a pair's device
+needs both threads' (their peaks may coincide). A layout fits
 when every device's estimate is at most `MEMORY_BUDGET` of its memory. CPU devices are not checked.
 
     python -m training.layout --gpus 8 --target-ms 84 --drafter-ms 168 --batch-size 8
@@ -39,8 +44,11 @@ prints the model's ranking for other machines from per-sequence times measured o
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
+import queue
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -49,6 +57,7 @@ from typing import Any
 import torch
 
 from training.config import TOPOLOGY, ConfigError, check_topology, parse_devices
+from training.devices import on_own_stream
 
 MEMORY_BUDGET = 0.90  # of a device's memory: room for the allocator's fragmentation and the CUDA context
 
@@ -157,6 +166,9 @@ class StageProfile:
     drafter_peak: int = 0  # a drafter step's peak above what was allocated before it (gradients included)
     features: int = 0  # one micro-batch's features
     device_memory: dict[str, int] = field(default_factory=dict)  # device -> total bytes (GPUs only)
+    # A target thread and a drafter thread sharing the device, each on its own stream, per sequence at the
+    # pair's steady rate (measure_shared); None when not measured.
+    shared_s: float | None = None
 
 
 def step_seconds(layout: Layout, profile: StageProfile, micro_batches: int) -> float:
@@ -176,6 +188,12 @@ def step_seconds(layout: Layout, profile: StageProfile, micro_batches: int) -> f
             load = max(load, to_drafters * rows * profile.target_s / t)
         best = min(best, load)
     return best
+
+
+def shared_step_seconds(pairs: int, profile: StageProfile, micro_batches: int) -> float:
+    """The model's step time when each of `pairs` devices holds a target thread and a drafter thread: every
+    pair works like a colocated replica whose micro-batch costs what the trial's pair took for one."""
+    return math.ceil(micro_batches / pairs) * profile.rows * profile.shared_s
 
 
 def predict_sequences_per_s(layout: Layout, profile: StageProfile, micro_batches: int) -> float:
@@ -225,6 +243,7 @@ class Choice:
                 "predicted_tokens_per_s": round(self.chosen.tokens_per_s, 1),
                 "target_ms_per_sequence": round(1e3 * p.target_s, 3),
                 "drafter_ms_per_sequence": round(1e3 * p.drafter_s, 3),
+                "shared_ms_per_sequence": None if p.shared_s is None else round(1e3 * p.shared_s, 3),
                 "candidates": [c.as_dict() for c in self.candidates]}
 
     def summary(self) -> str:
@@ -235,18 +254,23 @@ class Choice:
                            if d in p.device_memory)
         return (f"layout auto: {self.chosen.layout.describe()}, predicted {self.chosen.tokens_per_s:.0f} tokens/s "
                 f"from target {1e3 * p.target_s:.1f} ms + drafter {1e3 * p.drafter_s:.1f} ms per sequence"
+                + (f" ({1e3 * p.shared_s:.1f} ms as a pair sharing the device)" if p.shared_s is not None else "")
                 + (f"; next: {others}" if others else "") + (f"; memory {memory}" if memory else ""))
 
 
 def choose_layout(devices: Sequence[str], profile: StageProfile, micro_batches: int, queue_depth: int) -> Choice:
     """The fastest candidate that fits (on a tie the one with fewest replicas, then the first listed);
     ConfigError when none fits."""
+    timed = [(layout, step_seconds(layout, profile, micro_batches)) for layout in candidate_layouts(devices)]
+    if profile.shared_s is not None and all(str(device).startswith("cuda") for device in devices):
+        timed.append((Layout(targets=tuple(devices), drafters=tuple(devices)),
+                      shared_step_seconds(len(devices), profile, micro_batches)))
     candidates = []
-    for layout in candidate_layouts(devices):
+    for layout, seconds in timed:
         memory = estimate_memory(layout, profile, queue_depth)
         fits = all(need <= MEMORY_BUDGET * profile.device_memory[device]
                    for device, need in memory.items() if device in profile.device_memory)
-        rate = predict_sequences_per_s(layout, profile, micro_batches) * profile.tokens_per_sequence
+        rate = micro_batches * profile.rows / seconds * profile.tokens_per_sequence
         candidates.append(Candidate(layout, rate, memory, fits))
     fitting = [c for c in candidates if c.fits]
     if fitting:
@@ -301,18 +325,74 @@ def measure_stages(device: torch.device, batches: Sequence[Any], rows: int,
             "drafter_peak": peaks["drafter"], "features": features_bytes}
 
 
+def measure_shared(device: torch.device, batches: Sequence[Any], rows: int,
+                   target_forward: Callable[[Any], torch.Tensor],
+                   drafter_step: Callable[[torch.Tensor, Any], None], steps: int, depth: int = 2) -> float:
+    """A target thread and a drafter thread sharing `device`, as a 1:1 layout on it runs them: the target's
+    forwards in a thread of their own, over `batches` again and again, up to `depth` micro-batches ahead; `steps`
+    drafter steps in the calling thread (which may call a trial's compiled attention); each thread on its own
+    stream, synchronized before features change hands (the pipeline's rule). Returns the time per sequence
+    between the first drafter step's end and the last's: the pair's steady rate, the target kept busy
+    throughout. Call it after measure_stages, so that nothing is called here for the first time."""
+    handed: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    failure: list[BaseException] = []
+
+    def offer(item) -> None:  # until taken, or until the drafter side has stopped
+        while not stop.is_set():
+            try:
+                return handed.put(item, timeout=0.05)
+            except queue.Full:
+                continue
+
+    def produce() -> None:
+        try:
+            with on_own_stream(device) as stream, torch.no_grad():
+                for batch in itertools.cycle(batches):
+                    if stop.is_set():
+                        break
+                    features = target_forward(batch)
+                    if stream is not None:
+                        stream.synchronize()
+                    offer((features, batch))
+        except BaseException as error:  # noqa: BLE001 - re-raised by the calling thread
+            failure.append(error)
+        finally:
+            offer(None)
+
+    producer = threading.Thread(target=produce, name="layout trial: target", daemon=True)
+    producer.start()
+    ends = []
+    try:
+        with on_own_stream(device) as stream:
+            while len(ends) < steps and (item := handed.get()) is not None:
+                drafter_step(*item)
+                if stream is not None:
+                    stream.synchronize()
+                ends.append(time.perf_counter())
+                del item
+    finally:
+        stop.set()
+        producer.join()
+    if failure:
+        raise failure[0]
+    return (ends[-1] - ends[0]) / ((len(ends) - 1) * rows)
+
+
 def _main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m training.layout",
                                      description="The auto layout model's ranking for a machine of N GPUs.")
     parser.add_argument("--gpus", type=int, default=8)
     parser.add_argument("--target-ms", type=float, required=True, help="target forward per sequence")
     parser.add_argument("--drafter-ms", type=float, required=True, help="drafter step per sequence")
+    parser.add_argument("--shared-ms", type=float, help="a target and a drafter thread sharing a GPU, per sequence")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per optimizer step")
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--tokens", type=float, default=3072, help="tokens per sequence")
     parser.add_argument("--top", type=int, default=8)
     args = parser.parse_args(argv)
-    profile = StageProfile(args.target_ms / 1e3, args.drafter_ms / 1e3, args.micro_batch_size, args.tokens)
+    profile = StageProfile(args.target_ms / 1e3, args.drafter_ms / 1e3, args.micro_batch_size, args.tokens,
+                           shared_s=args.shared_ms / 1e3 if args.shared_ms else None)
     choice = choose_layout([f"cuda:{i}" for i in range(args.gpus)], profile,
                            args.batch_size // args.micro_batch_size, queue_depth=4)
     ranked = sorted(choice.candidates, key=lambda c: (-round(c.tokens_per_s, 3), c is not choice.chosen))

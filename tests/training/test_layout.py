@@ -8,9 +8,12 @@ import itertools
 import json
 import math
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from training.config import ConfigError, load_config
 from training.layout import (
@@ -21,6 +24,7 @@ from training.layout import (
     estimate_memory,
     explicit_layout,
     layout_from_topology,
+    measure_shared,
     predict_sequences_per_s,
 )
 from training.train import main
@@ -93,6 +97,75 @@ def test_memory_decides_when_colocated_does_not_fit():
         choose_layout(["cuda:0", "cuda:1"], tight, micro_batches=2, queue_depth=4)
 
 
+def test_on_gpus_auto_offers_a_target_and_a_drafter_thread_sharing_each_device():
+    faster = StageProfile(**{**PROFILE.__dict__, "shared_s": 0.200})  # the pair overlaps: under 0.084 + 0.168
+    single = choose_layout(["cuda:0"], faster, micro_batches=1, queue_depth=4)
+    assert single.chosen.layout == Layout(targets=("cuda:0",), drafters=("cuda:0",))  # topology 1:1 on one GPU
+    assert single.chosen.tokens_per_s == pytest.approx(3072 / 0.200)
+    assert [c.layout.name for c in single.candidates] == ["colocated", "1:1"]
+    assert single.as_dict()["shared_ms_per_sequence"] == 200.0 and "200.0 ms as a pair" in single.summary()
+    two = choose_layout(["cuda:0", "cuda:1"], faster, micro_batches=2, queue_depth=4)
+    assert two.chosen.layout == Layout(targets=("cuda:0", "cuda:1"), drafters=("cuda:0", "cuda:1"))
+    assert two.chosen.tokens_per_s == pytest.approx(2 * 3072 / 0.200)
+    slower = StageProfile(**{**PROFILE.__dict__, "shared_s": 0.300})  # contention worse than the serial loop
+    assert choose_layout(["cuda:0"], slower, 1, 4).chosen.layout == Layout(colocated=("cuda:0",))
+    # Not measured, or not GPUs: no pair is offered.
+    assert [c.layout.name for c in choose_layout(["cuda:0"], PROFILE, 1, 4).candidates] == ["colocated"]
+    assert [c.layout.name for c in choose_layout(["cpu"], faster, 1, 4).candidates] == ["colocated"]
+
+
+def test_a_pair_sharing_a_gpu_needs_both_threads_memory():
+    sizes = {"target_static": 16 * GIB, "target_peak": 4 * GIB, "drafter_static": 12 * GIB,
+             "drafter_peak": 26 * GIB, "features": GIB // 4, "shared_s": 0.2}
+    roomy = StageProfile(0.07, 0.14, 1, 3072, **sizes, device_memory={"cuda:0": 140 * GIB})
+    pair = Layout(targets=("cuda:0",), drafters=("cuda:0",))
+    assert estimate_memory(pair, roomy, 4)["cuda:0"] == (16 + 4 + 12 + 26) * GIB + 5 * GIB // 4  # 4 queued + 1
+    assert choose_layout(["cuda:0"], roomy, 1, 4).chosen.layout == pair
+    tight = StageProfile(**{**roomy.__dict__, "device_memory": {"cuda:0": 62 * GIB}})  # 0.9 x 62: 54.25 fits, 59.25 not
+    choice = choose_layout(["cuda:0"], tight, 1, 4)
+    assert choice.chosen.layout == Layout(colocated=("cuda:0",)) and not choice.candidates[1].fits
+
+
+class Spans:
+    """Which thread ran each call, and when."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, int, float, float]] = []
+
+    def timed(self, role: str, seconds: float, fail_at: int | None = None):
+        def call(*_args):
+            start = time.perf_counter()
+            if fail_at is not None and sum(c[0] == role for c in self.calls) == fail_at:
+                raise RuntimeError(f"{role} failed")
+            time.sleep(seconds)  # sleeps release the GIL, as CUDA kernels and torch's CPU ops do
+            self.calls.append((role, threading.get_ident(), start, time.perf_counter()))
+            return torch.zeros(1)
+        return call
+
+
+def test_the_trial_pair_runs_the_target_in_its_own_thread_beside_the_drafter():
+    spans = Spans()
+    per_sequence = measure_shared(torch.device("cpu"), ["a", "b"], 2, spans.timed("target", 0.02),
+                                  spans.timed("drafter", 0.05), steps=5)
+    targets = [c for c in spans.calls if c[0] == "target"]
+    drafters = [c for c in spans.calls if c[0] == "drafter"]
+    assert len(drafters) == 5 and len(targets) >= 5  # the target ran ahead, over the batches again and again
+    assert {c[1] for c in drafters} == {threading.get_ident()} and threading.get_ident() not in {c[1] for c in targets}
+    assert any(t[2] < d[3] and d[2] < t[3] for t in targets for d in drafters)  # at once, not in turns
+    assert per_sequence >= 0.05 / 2  # per sequence (2 a micro-batch), from the first drafter step's end
+    assert not [t for t in threading.enumerate() if t.name.startswith("layout trial")]  # nothing left running
+
+
+def test_a_failure_in_either_thread_of_the_trial_pair_ends_both_and_is_raised():
+    for failing in ("target", "drafter"):
+        spans = Spans()
+        target = spans.timed("target", 0.01, fail_at=3 if failing == "target" else None)
+        drafter = spans.timed("drafter", 0.02, fail_at=2 if failing == "drafter" else None)
+        with pytest.raises(RuntimeError, match=f"{failing} failed"):
+            measure_shared(torch.device("cpu"), ["a"], 1, target, drafter, steps=8)
+        assert not [t for t in threading.enumerate() if t.name.startswith("layout trial")]
+
+
 def test_a_longer_run_continues_the_schedule_from_the_checkpoints_rate():
     schedule = CosineSchedule(100, 0.04)
     before = [schedule(k) for k in range(60)]
@@ -144,6 +217,7 @@ def test_auto_measures_and_picks_a_layout_on_cpu_devices(tiny_world, tmp_path, c
     assert {c["layout"] for c in auto["candidates"]} == {"colocated", "1:1"}
     assert auto["chosen"]["name"] == first["layout"] == second["layout"]
     assert auto["target_ms_per_sequence"] > 0 and auto["drafter_ms_per_sequence"] > 0
+    assert auto["shared_ms_per_sequence"] > 0  # the pair is measured on CPUs too (and offered on GPUs only)
     assert first["predicted_tokens_per_s"] == auto["predicted_tokens_per_s"] > 0
     assert set(first["peak_memory_gib"]) == {"cpu"} and first["tflops_per_s"] > 0
     assert "layout auto: " + first["layout"] + ": measured" in out

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from training.devices import on_own_stream
 from training.distributed.single import SingleNode
 from training.pipeline.gradients import check_replicas_identical, move_to_device, sum_and_clip_gradients
 from training.pipeline.handoff import BusyClocks, Handoff
@@ -49,18 +50,6 @@ def _check_shape(config: PipelineConfig, targets: Sequence[TargetWorker], drafte
             or len(colocated) != len(config.colocated_devices)):
         raise ValueError("one target worker per target device, one drafter worker per drafter device and "
                          "one (target, drafter) pair per colocated device")
-
-
-@contextmanager
-def _on_device(device: torch.device):
-    """Run the calling thread on `device`, on a stream of its own when it is a GPU."""
-    if device.type != "cuda":
-        yield None
-        return
-    torch.cuda.set_device(device)
-    stream = torch.cuda.Stream(device)
-    with torch.cuda.stream(stream):
-        yield stream
 
 
 class Pipeline:
@@ -237,7 +226,7 @@ class Pipeline:
     # The worker threads.
     def _thread_main(self, name: str, device: torch.device, loop: Callable, index: int) -> None:
         try:
-            with _on_device(device) as stream:
+            with on_own_stream(device) as stream:
                 loop(name, device, stream, index)
         except threading.BrokenBarrierError:
             if self._error is None:

@@ -26,6 +26,7 @@ from training.layout import (
     choose_layout,
     explicit_layout,
     layout_from_topology,
+    measure_shared,
     measure_stages,
 )
 from training.model import Drafter, DrafterConfig
@@ -133,8 +134,10 @@ def layout_trial(config: TrainConfig, devices: list[torch.device], target: Targe
                  stream: BatchStream, shared_flex: SharedFlexAttention | None) -> Choice:
     """topology "auto": time a target forward and a drafter step (forward + backward, no optimizer step, so
     the weights stay as built) on the run's first micro-batches, on the first device, measure their memory,
-    and choose the layout (training/layout.py). The data stream is not advanced; the compiled attention is
-    warmed and called within its discipline (SharedFlexAttention.trial)."""
+    then the two running at once in two threads (measured on any device; offered as a layout on GPUs), and
+    choose the layout (training/layout.py). The data stream is not advanced; the compiled attention is warmed
+    and called within its discipline (SharedFlexAttention.trial: only this thread calls it; the pair's other
+    thread runs the target, whose compiled layers are warmed already)."""
     device = replica.device
     probe = BatchStream(stream.sequences, config.micro_batch_rows(), config.buckets(), config.block_size,
                         config.num_anchors, stream.pad_id, config.seed)
@@ -149,9 +152,13 @@ def layout_trial(config: TrainConfig, devices: list[torch.device], target: Targe
 
     compiled = (shared_flex.trial(device, replica._warm_up_mask, projected_qkv) if shared_flex is not None
                 else contextlib.nullcontext())
+    def target_forward(batch: Batch) -> torch.Tensor:
+        return target.features(batch.input_ids, compiled=True)
+
     with compiled:
-        measured = measure_stages(device, batches, config.micro_batch_rows(),
-                                  lambda batch: target.features(batch.input_ids, compiled=True), drafter_step)
+        measured = measure_stages(device, batches, config.micro_batch_rows(), target_forward, drafter_step)
+        shared = measure_shared(device, batches, config.micro_batch_rows(), target_forward, drafter_step,
+                                steps=2 * TRIAL_BATCHES)
 
     def nbytes(tensors) -> int:
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -168,6 +175,7 @@ def layout_trial(config: TrainConfig, devices: list[torch.device], target: Targe
         drafter_peak=int(measured["drafter_peak"]), features=int(measured["features"]),
         device_memory={str(d): torch.cuda.get_device_properties(d).total_memory for d in devices
                        if d.type == "cuda"},
+        shared_s=shared,
     )
     for gpu in {d for d in devices if d.type == "cuda"}:
         torch.cuda.reset_peak_memory_stats(gpu)  # the run's peaks, not the trial's
