@@ -129,7 +129,9 @@ def print_runs(rows: list[dict], rate: float | None, devices: int) -> None:
     for r in rows:
         if auto := r.get("auto"):
             print(f"auto's trial: target {auto['target_ms_per_sequence']:.1f} ms + drafter "
-                  f"{auto['drafter_ms_per_sequence']:.1f} ms per sequence; candidates: "
+                  f"{auto['drafter_ms_per_sequence']:.1f} ms per sequence"
+                  + (f", both at once as a pair {shared:.1f} ms" if (shared := auto.get("shared_ms_per_sequence"))
+                     else "") + "; candidates: "
                   + ", ".join(f"{c['layout']} {c['predicted_tokens_per_s']:.0f}"
                               f"{'' if c['fits'] else ' (does not fit)'}" for c in auto["candidates"]))
     print("colocated = the serial loop (target forward then drafter step in one thread); 1:1 = a target thread "
