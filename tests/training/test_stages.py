@@ -114,7 +114,7 @@ def compiled_drafter(world, target: Target, dtype: torch.dtype, architecture: st
         sets += ["conv_kernel_size=3", "conv_group_size=16", "selector_rank=8", "selector_top_k=4"]
     config = load_config("tiny", sets)
     replica = DrafterReplica(build_drafters(config, target, [torch.device("cpu")])[0], config, "sdpa", dtype)
-    run = CompiledRun(config, target, config.num_draft_layers, devices=1)
+    run = CompiledRun(config, target, devices=1)
     run.warm_drafter(replica, dtype)
     run.seal()
     return config, replica, run

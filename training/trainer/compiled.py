@@ -23,19 +23,19 @@ from training.stages import (
 )
 from training.step import drafter_stage
 from training.target import Target
-from training.trainer.replicas import DrafterReplica
+from training.trainer.replicas import DrafterReplica, spread_anchors
 
 
 class CompiledRun:
     """The compiled stages of one run: built once, warmed per device, sealed before the pipeline starts."""
 
-    def __init__(self, config: TrainConfig, target: Target, num_draft_layers: int, devices: int):
+    def __init__(self, config: TrainConfig, target: Target, devices: int):
         self.config = config
         keys = devices * len(config.buckets())
         # dynamo may keep an entry per layer (the limits allow it); the first drafter layer's input has no
         # gradient (the frozen embedding), the others' do: two keys per device and bucket for each half.
         self.target_layers = CompiledStage("target layers", decoder_layer_forward, keys_expected=keys * target.layers_run)
-        self.drafter = compiled_drafter_stages(keys_expected=2 * keys * num_draft_layers)
+        self.drafter = compiled_drafter_stages(keys_expected=2 * keys * config.num_draft_layers)
         self._drafter_devices: set[torch.device] = set()
 
     @property
@@ -95,8 +95,7 @@ class CompiledRun:
 def warm_up_batch(config: TrainConfig, bucket: int, device: torch.device) -> Batch:
     """A training batch's shape for `bucket`: every token a loss token, anchors spread over the sequence."""
     rows, block = config.micro_batch_rows(), config.block_size
-    anchors = torch.linspace(1, bucket - block, config.num_anchors, device=device).long()
-    anchors = anchors.expand(rows, -1).contiguous()
+    anchors = spread_anchors(rows, bucket, block, config.num_anchors, device)
     ids = torch.zeros(rows, bucket, dtype=torch.long, device=device)
     return Batch(ids, torch.ones_like(ids, dtype=torch.bool), anchors, torch.ones_like(anchors, dtype=torch.bool),
                  rows * bucket)

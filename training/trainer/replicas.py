@@ -77,10 +77,15 @@ class DrafterReplica:
         """A training-like block mask for a warm-up shape: anchors spread over the context, all valid."""
         block = self.config.block_size
         context = shape.kv_len - shape.q_len
-        anchors = torch.linspace(1, context - block, shape.q_len // block, device=device).long()
-        anchors = anchors.expand(shape.batch, -1).contiguous()
+        anchors = spread_anchors(shape.batch, context, block, shape.q_len // block, device)
         valid = torch.ones_like(anchors, dtype=torch.bool)
         return build_block_mask(anchors, valid, context, block)
+
+
+def spread_anchors(rows: int, context: int, block: int, count: int, device: torch.device) -> torch.Tensor:
+    """`count` anchors spread evenly over a context of `context` tokens, the same in every row: the warm-ups'
+    made-up batches and masks."""
+    return torch.linspace(1, context - block, count, device=device).long().expand(rows, -1).contiguous()
 
 
 def shared_flex_attention(config: TrainConfig, drafter_config: DrafterConfig, devices: list[torch.device],

@@ -237,7 +237,7 @@ def build_world(config: TrainConfig, layout: Layout | None, devices: list[torch.
     compiled = None
     if resolve_compile(config.compile, targets[0].device, backend) == "all":
         sized_for = max(len(layout.target_replica_devices), len(layout.replica_devices)) if layout else len(devices)
-        compiled = CompiledRun(config, targets[0], config.num_draft_layers, sized_for)
+        compiled = CompiledRun(config, targets[0], sized_for)
         warm_compiled(compiled, targets, replicas, dtype)
     if layout is not None:
         if compiled is not None:
