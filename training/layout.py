@@ -36,7 +36,7 @@ target devices (queue_depth micro-batches) and one micro-batch's features on dra
 needs both threads' (their peaks may coincide). A layout fits
 when every device's estimate is at most `MEMORY_BUDGET` of its memory. CPU devices are not checked.
 
-    python -m training.layout --gpus 8 --target-ms 84 --drafter-ms 168 --batch-size 8
+    python -m training.layout --gpus 8 --target-ms 84 --drafter-ms 168 --batch-size 8 [--shared-ms 209]
 
 prints the model's ranking for other machines from per-sequence times measured on one GPU.
 """
@@ -396,7 +396,8 @@ def _main(argv: list[str] | None = None) -> int:
     choice = choose_layout([f"cuda:{i}" for i in range(args.gpus)], profile,
                            args.batch_size // args.micro_batch_size, queue_depth=4)
     ranked = sorted(choice.candidates, key=lambda c: (-round(c.tokens_per_s, 3), c is not choice.chosen))
-    print(f"{args.gpus} GPUs, target {args.target_ms} ms + drafter {args.drafter_ms} ms per sequence, "
+    pair = f" ({args.shared_ms} ms as a pair sharing a GPU)" if args.shared_ms else ""
+    print(f"{args.gpus} GPUs, target {args.target_ms} ms + drafter {args.drafter_ms} ms per sequence{pair}, "
           f"batch {args.batch_size} (micro-batches of {args.micro_batch_size}):")
     for candidate in ranked[: args.top]:
         marker = "*" if candidate is choice.chosen else " "
