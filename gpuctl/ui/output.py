@@ -94,11 +94,12 @@ class Output:
         return self._stderr or sys.stderr
 
     def console(self, stderr: bool) -> Console:
-        """Rich honours NO_COLOR (and FORCE_COLOR, TTY_INTERACTIVE) from the environment by itself."""
+        """Rich honours NO_COLOR (and FORCE_COLOR, TTY_INTERACTIVE) from the environment by itself. Markup and emoji
+        codes are off: a remote string (`:smile:` in a config's name) is shown as it is."""
         stream = self.stderr if stderr else self.stdout
         # Not a terminal: wide enough that long paths are not wrapped into a pipe.
         return visible_console()(file=stream, stderr=stderr, width=None if stream.isatty() else 160, highlight=False,
-                              markup=False)
+                              markup=False, emoji=False)
 
     def show(self, renderable: RenderableType | str, stderr: bool = False) -> None:
         self.console(stderr).print(renderable)

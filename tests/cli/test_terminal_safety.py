@@ -88,3 +88,18 @@ def test_logs_to_a_terminal_are_made_visible_unless_raw_and_to_a_pipe_unchanged(
         assert SHOWN in text and "\n100%" in text.replace("\r\n", "\n")
         code, raw = on_terminal(gpuctl, *args, "--raw")
         assert code == 0 and PAYLOAD.split("\r")[0].encode() in raw
+
+
+def test_remote_strings_in_a_table_keep_their_emoji_codes():
+    """Rich would turn `:smile:` in a table cell (a config's name, a GPU's) into an emoji: gpuctl shows it as is."""
+    import io
+
+    from rich.table import Table
+
+    from gpuctl.ui.output import Output
+
+    stdout = io.StringIO()
+    table = Table(box=None)
+    table.add_row("config", ":smile: :thumbs_up:")
+    Output(stdout=stdout).show(table)
+    assert ":smile: :thumbs_up:" in stdout.getvalue()
