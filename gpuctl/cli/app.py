@@ -233,13 +233,14 @@ def status(flags: AddressFlags, out: "Output", stats: "ssh.Stats", run: RunOpt =
     """The container, the run (state, pid, log, progress, loss) and the GPUs; exit 4 if the container is not
     running (after showing that)."""
     from gpuctl import commands
-    from gpuctl.ui import render
 
     if watch and json_:
         raise usage_error("--watch is for a terminal; --json gives one document (run it again to refresh)")
     number = parse_run_ref(run)
     scope = commands.resolve(flags)
-    with scope.connected(stats, bound_s=commands.BOUND_S):
+    with scope.connected(stats, bound_s=commands.BOUND_S, meanwhile=_ready_to_show_status):
+        from gpuctl.ui import render  # imported while connecting
+
         if watch:
             _watch(out, lambda: render.status_renderable(scope.status(number, reconnect=out.message)), interval)
         report = scope.status(number)
@@ -248,6 +249,16 @@ def status(flags: AddressFlags, out: "Output", stats: "ssh.Stats", run: RunOpt =
     if unreadable:
         raise unreadable
     return ExitCode.OK
+
+
+def _ready_to_show_status() -> None:
+    """What status needs once connected, got ready while the connection is made (mostly a wait for the host):
+    its script compiled (jinja2), the renderer and Rich imported."""
+    from gpuctl import commands
+    from gpuctl.ui import output, render  # noqa: F401 (imported for the table drawn later)
+
+    commands.prepare_status()
+    output.visible_console()
 
 
 def _watch(out: "Output", fetch: Callable[[], Any], interval: float) -> None:

@@ -24,19 +24,19 @@ if TYPE_CHECKING:  # what __getattr__ gives, spelt out for readers and the layer
     from gpuctl.commands.pull import pull_destination
     from gpuctl.commands.scope import Nodes, One, Scope, kept, resolve, resolve_launch
     from gpuctl.commands.session import BOUND_S, connected, reconnecting
-    from gpuctl.commands.status import metrics_history
+    from gpuctl.commands.status import metrics_history, prepare_status
 
 _HOMES = {
     "LaunchResult": "detached", "plan_launch": "launch", "follow_exit_code": "logs", "follow_log": "logs",
     "print_log": "logs", "LaunchOptions": "options", "LaunchTask": "options", "PullWhat": "options",
     "check_python": "options", "pull_destination": "pull", "Nodes": "scope", "One": "scope",
     "Scope": "scope", "kept": "scope", "resolve": "scope", "resolve_launch": "scope", "BOUND_S": "session",
-    "connected": "session", "reconnecting": "session", "metrics_history": "status",
+    "connected": "session", "reconnecting": "session", "metrics_history": "status", "prepare_status": "status",
 }
 __all__ = [
     "BOUND_S", "LaunchOptions", "LaunchResult", "LaunchTask", "Nodes", "One", "PullWhat", "Scope", "check_python",
-    "connected", "follow_exit_code", "follow_log", "kept", "metrics_history", "plan_launch", "print_log",
-    "pull_destination", "reconnecting", "resolve", "resolve_launch",
+    "connected", "follow_exit_code", "follow_log", "kept", "metrics_history", "plan_launch", "prepare_status",
+    "print_log", "pull_destination", "reconnecting", "resolve", "resolve_launch",
 ]
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from gpuctl.address import Address
-from gpuctl.commands.session import Notify
+from gpuctl.commands.session import Notify, alongside
 from gpuctl.errors import GpuctlError
 from gpuctl.remote import ssh
 from gpuctl.remote.container import Container
@@ -105,10 +105,11 @@ def settled(outcomes: list[Outcome[U]]) -> list[Outcome[U]]:
 
 
 @contextmanager
-def connected(addresses: Sequence[Address], stats: ssh.Stats | None = None,
-              bound_s: float | None = None) -> Iterator[list[Node]]:
+def connected(addresses: Sequence[Address], stats: ssh.Stats | None = None, bound_s: float | None = None,
+              meanwhile: Callable[[], object] | None = None) -> Iterator[list[Node]]:
     """A connection to every node at once; a node that cannot be reached has its error instead. Node 0's
-    connection counts into `stats` (GPUCTL_TRACE); `bound_s`: the bound of each remote command."""
+    connection counts into `stats` (GPUCTL_TRACE); `bound_s`: the bound of each remote command; `meanwhile`:
+    work done while the connections are made (session.alongside)."""
     nodes = [Node(i, t) for i, t in enumerate(addresses)]
 
     def connect(node: Node) -> Container:
@@ -116,7 +117,9 @@ def connected(addresses: Sequence[Address], stats: ssh.Stats | None = None,
         return Container(session=session, address=node.address)
 
     try:
-        for o in on_nodes(nodes, connect):
+        with alongside(meanwhile):
+            opened = on_nodes(nodes, connect)
+        for o in opened:
             if isinstance(o.error, GpuctlError):
                 o.node.error = o.error
             elif o.error is not None:

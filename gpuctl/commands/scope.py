@@ -46,8 +46,9 @@ class One:
         return plan_launch(self.address, opts)
 
     @contextmanager
-    def connected(self, stats: ssh.Stats | None, bound_s: float | None = None) -> Iterator[One]:
-        with connected(self.address, stats, bound_s) as self.ct:
+    def connected(self, stats: ssh.Stats | None, bound_s: float | None = None,
+                  meanwhile: Callable[[], object] | None = None) -> Iterator[One]:
+        with connected(self.address, stats, bound_s, meanwhile) as self.ct:
             yield self
 
     @property
@@ -109,10 +110,11 @@ class Nodes:
         return multi.plan_launch(self.addresses, opts, self.master_addr, self.master_port)
 
     @contextmanager
-    def connected(self, stats: ssh.Stats | None, bound_s: float | None = None) -> Iterator[Nodes]:
+    def connected(self, stats: ssh.Stats | None, bound_s: float | None = None,
+                  meanwhile: Callable[[], object] | None = None) -> Iterator[Nodes]:
         from gpuctl.commands.fanout import connected as connected_nodes
 
-        with connected_nodes(self.addresses, stats, bound_s) as self.nodes:
+        with connected_nodes(self.addresses, stats, bound_s, meanwhile) as self.nodes:
             yield self
 
     @property

@@ -4,6 +4,8 @@ it. Below every command: no Typer, no Rich.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Protocol, TypeVar
@@ -37,10 +39,36 @@ BOUND_S = ssh.env_seconds("GPUCTL_COMMAND_BOUND", 120)
 
 
 @contextmanager
-def connected(address: Address, stats: ssh.Stats | None = None, bound_s: float | None = None) -> Iterator[Container]:
+def alongside(work: Callable[[], object] | None) -> Iterator[None]:
+    """Run work in a thread while the body runs, and wait for it at the body's end. For a body that mostly waits
+    (for the host, while a connection is made): work that needs the CPU (imports, compiling) fits in that wait.
+    Work only gets ready what is used later, so its failure is left for that use to meet and report (a failed
+    import or template is not cached)."""
+    if work is None:
+        yield
+        return
+
+    def quietly() -> None:
+        with contextlib.suppress(Exception):
+            work()
+
+    thread = threading.Thread(target=quietly, name="gpuctl-meanwhile", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        thread.join()
+
+
+@contextmanager
+def connected(address: Address, stats: ssh.Stats | None = None, bound_s: float | None = None,
+              meanwhile: Callable[[], object] | None = None) -> Iterator[Container]:
     """One SSH connection for the whole invocation (a follower may replace it after a drop); what it costs is
-    counted in ct.session.stats (`stats`, when given); `bound_s`: the bound of each of its remote commands."""
-    ct = Container(session=ssh.connect(address, stats, bound_s), address=address)
+    counted in ct.session.stats (`stats`, when given); `bound_s`: the bound of each of its remote commands;
+    `meanwhile`: what the command needs once connected, got ready while the connection is made (alongside)."""
+    with alongside(meanwhile):
+        session = ssh.connect(address, stats, bound_s)
+    ct = Container(session=session, address=address)
     try:
         yield ct
     finally:

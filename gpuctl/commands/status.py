@@ -8,6 +8,7 @@ from typing import Any
 
 from gpuctl.commands.session import inspect
 from gpuctl.errors import ExitCode, GpuctlError
+from gpuctl.remote import scripts
 from gpuctl.remote.container import Container, ContainerNotRunning
 from gpuctl.remote.protocol import TAIL_BYTES, MetricsChain
 from gpuctl.runs import Run, parse_metrics_lines
@@ -68,6 +69,11 @@ class StatusReport:
             return None
         return GpuctlError(f"container {self.ctid} on {self.host} is not running ({self.container_status}; start "
                            f"it: pct start {self.ctid})", ExitCode.CONTAINER)
+
+
+def prepare_status() -> None:
+    """What status() needs of this machine ready before it runs: its script compiled (while connecting)."""
+    scripts.compile_ahead("inspect.sh", "lib.sh")
 
 
 def status(ct: Container, run_number: int = 0, last_line: bool = False) -> StatusReport:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import shlex
 from functools import lru_cache
-from typing import Any
-
-import jinja2
+from typing import TYPE_CHECKING, Any
 
 from gpuctl import paths
 from gpuctl.remote.protocol import LINE_BYTES, TAIL_BYTES, ScriptExit
+
+if TYPE_CHECKING:
+    import jinja2
 
 
 def shquote(value: Any) -> str:
@@ -26,6 +27,9 @@ def shquote(value: Any) -> str:
 
 @lru_cache(maxsize=1)
 def environment() -> jinja2.Environment:
+    # jinja2 is imported here, not with this module: `gpuctl status` imports and compiles it while it connects.
+    import jinja2
+
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(paths.templates_dir())),
         undefined=jinja2.StrictUndefined,
@@ -47,3 +51,10 @@ def environment() -> jinja2.Environment:
 def render(name: str, **values: Any) -> str:
     """Render templates/NAME.j2 with the given values."""
     return environment().get_template(f"{name}.j2").render(**values)
+
+
+def compile_ahead(*names: str) -> None:
+    """Compile templates/NAME.j2 for each name now, for a later render (an included template is compiled when
+    first rendered: name it too)."""
+    for name in names:
+        environment().get_template(f"{name}.j2")

@@ -134,6 +134,27 @@ def test_the_ssh_layer_imports_invoke_only_for_a_match_exec(tmp_path):
     assert done.stdout.splitlines() == ["False", "plain False", "matched True"]
 
 
+def test_what_a_command_gets_ready_while_connecting_is_done_with_the_connection():
+    """session.alongside: the work (status's imports and script compiling) runs in its own thread while the body
+    (the connection) runs, and has ended when the body has; a failure in it is not raised there but met again
+    where the thing is used, with its own error (a failed import is not cached)."""
+    import importlib
+    import threading
+
+    from gpuctl.commands.session import alongside
+
+    ran = []
+    with alongside(lambda: ran.append(threading.current_thread() is not threading.main_thread())):
+        pass
+    assert ran == [True]
+    with alongside(lambda: importlib.import_module("gpuctl_no_such_module")):
+        pass  # not raised here
+    with pytest.raises(ImportError, match="gpuctl_no_such_module"):
+        importlib.import_module("gpuctl_no_such_module")
+    with pytest.raises(GpuctlError, match="the body's own"), alongside(lambda: None):
+        raise GpuctlError("the body's own", ExitCode.HOST)
+
+
 def test_scripts_quote_every_value_and_refuse_missing_ones():
     rendered = scripts.render("run.sh", stage_dir="/root/gpuctl", workdir="/w d", python="py",
                               module="training.train", config="a'b", sets=["k=$(x)"], resume=False, takes_resume=True,
