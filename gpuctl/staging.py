@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,6 +102,8 @@ def plan_stage(package: Package, remote: dict[str, str]) -> StagePlan:
         raise usage_error(f"{', '.join(missing)} is no longer staged in the container: pass --config PATH")
     if not changed:
         return StagePlan([], b"")
+    import tarfile  # here: status imports this module (for parse_manifest) and never archives
+
     buf = io.BytesIO()
     # mtime 0 and sorted names: the archive depends on content only.
     with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
