@@ -12,8 +12,9 @@ Aim (issue 2): launch <= 1.5 s, status <= 0.5 s on loopback.
 --startup: only the start-up table (issue 29): the median wall time of `gpuctl --version`, `--help` and `status`
 (on the stand-in, one running fake run) as whole processes of this interpreter (`python -m gpuctl`: no pyenv shim
 in between), beside a bare interpreter's start; with gpuctl's bytecode cached (as installed) and compiled at each
-start, and (cached) the median CPU time each process used, which a loaded machine hardly changes. Aim:
---version <= 0.15 s, --help <= 0.25 s, status <= 0.5 s.
+start, and (cached) the median CPU time each process used, which a loaded machine hardly changes; and, for
+reference, OpenSSH's `ssh` running status's one remote command (sshd and the stand-in's pct, no Python client).
+Aim: --version <= 0.15 s, --help <= 0.25 s, status <= 0.5 s.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -98,6 +100,9 @@ def startup_table(host: StandInHost, env: dict[str, str], flags: address.Address
         work.append(time.perf_counter() - start)
     timed.append(("(status's work in-process: connect + remote)", statistics.median(work), float("nan"),
                   float("nan")))
+    floor = openssh_floor(host, *status_remote_command(flags), runs)
+    if floor is not None:
+        timed.append(("(ssh: OpenSSH running status's remote cmd)", floor, float("nan"), float("nan")))
     with scope.connected(None):
         scope.kill(0, "KILL", grace=5, notify=print)
     print(f"gpuctl start-up ({sys.executable}), median of {runs} runs each; load average "
@@ -105,6 +110,33 @@ def startup_table(host: StandInHost, env: dict[str, str], flags: address.Address
     print(f"{'command':<44} {'bytecode cached':>16} {'its CPU time':>14} {'compiled each run':>18}")
     for name, warm, cpu, cold in timed:
         print(f"{name:<44} {warm:>14.3f} s {cpu:>12.3f} s {cold:>16.3f} s")
+
+
+def status_remote_command(flags: address.AddressFlags) -> tuple[str, bytes]:
+    """The one remote command status issues, its command line and its script, taken from a real status."""
+    sent = []
+    with commands.resolve(flags).connected(None) as one:
+        session = one.ct.session
+        run = session.run
+        session.run = lambda command, stdin=b"": sent.append((command, stdin)) or run(command, stdin)
+        one.status(0)
+    assert len(sent) == 1, f"status issued {len(sent)} remote commands"
+    return sent[0]
+
+
+def openssh_floor(host: StandInHost, command: str, script: bytes, runs: int) -> float | None:
+    """Median wall seconds of OpenSSH's own client running status's remote command on the stand-in: what sshd and
+    the stand-in's pct cost with no Python on the client's side (None without an ssh client)."""
+    ssh = shutil.which("ssh")
+    if ssh is None:
+        return None
+    seconds = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        subprocess.run([ssh, "-F", str(host.ssh_config), "-o", "BatchMode=yes", ALIAS, command], input=script,
+                       check=True, stdout=subprocess.DEVNULL)
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
 
 
 def timed_python(args: list[str], env: dict[str, str], runs: int, warm_up: bool = False) -> tuple[float, float]:
