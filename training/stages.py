@@ -1,9 +1,10 @@
 """Compiled stages beside flex_attention, under the same discipline (ARCHITECTURE §6; issue 27).
 
 `compile = "all"` compiles the target's decoder layers, and the drafter's fusion layer and layer halves around
-attention (`compiled_drafter_stages`, warmed by training/trainer/compiled.py). The target's: the 34 layers of a Qwen3-8B `features` call share one
-code object, so one `torch.compile(layer_forward, dynamic=False, fullgraph=True)` serves them all, and fuses
-what eager runs as many small kernels (norms, rotary, the MLP's activation). The discipline is SharedFlexAttention's:
+attention (`compiled_drafter_stages`, warmed by training/trainer/compiled.py). The target's: the 34 layers of a
+Qwen3-8B `features` call share one code object, so one `torch.compile(layer_forward, dynamic=False,
+fullgraph=True)` serves them all, and fuses what eager runs as many small kernels (norms, rotary, the MLP's
+activation). The discipline is SharedFlexAttention's:
 
 - one CompiledStage per stage for the whole process, its recompile limit sized to the keys it is warmed with
   (devices x length buckets x grad modes, times the layers in case dynamo keeps an entry per layer) plus slack;
@@ -115,7 +116,8 @@ class CompiledStage:
                 self._thread.warming = False
 
     def seal(self) -> None:
-        """Warm-up is over: from now on only warmed keys are called, and compiles are counted (from `steady()` in a run)."""
+        """Warm-up is over: from now on only warmed keys are called, and compiles are counted (in a run, from
+        `steady()`)."""
         self._events_at_seal = self._events.count
         self._sealed = True
 

@@ -121,7 +121,8 @@ def test_a_pair_sharing_a_gpu_needs_both_threads_memory():
     pair = Layout(targets=("cuda:0",), drafters=("cuda:0",))
     assert estimate_memory(pair, roomy, 4)["cuda:0"] == (16 + 4 + 12 + 26) * GIB + 5 * GIB // 4  # 4 queued + 1
     assert choose_layout(["cuda:0"], roomy, 1, 4).chosen.layout == pair
-    tight = StageProfile(**{**roomy.__dict__, "device_memory": {"cuda:0": 62 * GIB}})  # 0.9 x 62: 54.25 fits, 59.25 not
+    # 0.9 x 62 GiB: colocated's 54.25 GiB fits, the pair's 59.25 does not.
+    tight = StageProfile(**{**roomy.__dict__, "device_memory": {"cuda:0": 62 * GIB}})
     choice = choose_layout(["cuda:0"], tight, 1, 4)
     assert choice.chosen.layout == Layout(colocated=("cuda:0",)) and not choice.candidates[1].fits
 

@@ -152,6 +152,7 @@ def layout_trial(config: TrainConfig, devices: list[torch.device], target: Targe
 
     compiled = (shared_flex.trial(device, replica._warm_up_mask, projected_qkv) if shared_flex is not None
                 else contextlib.nullcontext())
+
     def target_forward(batch: Batch) -> torch.Tensor:
         return target.features(batch.input_ids, compiled=True)
 
