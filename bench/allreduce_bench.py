@@ -27,8 +27,8 @@ from transformers import Qwen3Config
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from training.distributed import NodeEnv, Nodes, Timeouts
-from training.model import Drafter, DrafterConfig
-from training.random_world import QWEN3_8B
+from training.model.drafter import Drafter, DrafterConfig
+from training.target.random_world import QWEN3_8B
 
 SMALL = {**QWEN3_8B, "vocab_size": 512, "hidden_size": 256, "intermediate_size": 768, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 64}

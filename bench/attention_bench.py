@@ -19,7 +19,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from training.mask import build_block_mask, dense_mask, dflash_mask_mod
+from training.model.mask import build_block_mask, dense_mask, dflash_mask_mod
 
 
 def cuda_median_ms(fn, repeats: int, warmup: int = 3) -> float:

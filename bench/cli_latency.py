@@ -38,6 +38,9 @@ from gpuctl.commands.kill import kill as kill_run
 from gpuctl.commands.launch import launch as launch_run
 from gpuctl.commands.status import status as status_of
 from tests.sandbox import ALIAS, StandInHost
+from tests.sandbox.cli import use_standin_schema
+
+use_standin_schema()  # the in-process launches set the fake trainer's keys
 
 CTID = 200
 FAKE = ["fake.steps=1000000", "fake.step_s=0.05"]
@@ -63,11 +66,12 @@ def timed_in_process(operation, flags, runs: int, after=None) -> tuple[float, in
     return statistics.median(seconds), trips.pop(), statistics.median(connects), int(statistics.median(sent))
 
 
-def timed_cli(args: list[str], env: dict[str, str], runs: int, after=None) -> float:
+def timed_cli(args: list[str], env: dict[str, str], runs: int, after=None, module: str = "gpuctl") -> float:
+    """Median wall seconds of `python -m MODULE ARGS` (tests.sandbox.cli: gpuctl knowing the fake trainer's keys)."""
     seconds = []
     for _ in range(runs):
         start = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "gpuctl", *args], cwd=REPO, env=env, check=True,
+        subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env, check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         seconds.append(time.perf_counter() - start)
         if after:
@@ -80,7 +84,7 @@ def startup_table(host: StandInHost, env: dict[str, str], flags: address.Address
     """Median wall seconds of whole gpuctl processes that connect to nothing (--version, --help) and of status:
     with gpuctl's bytecode cached (as a pip install has it; a warm-up run writes it under `pycache`), and
     compiled at every start (PYTHONDONTWRITEBYTECODE=1, this sandbox's default for a source checkout)."""
-    os.environ.update(host.env(CTID))  # the stand-in's schema, with the fake trainer's keys
+    os.environ.update(host.env(CTID))
     scope = commands.resolve(flags)
     with scope.connected(None):
         scope.launch(scope.checked(commands.LaunchOptions(python="fake-trainer", sets=FAKE)), notify=print,
@@ -195,7 +199,8 @@ def main() -> None:
             launch = timed_in_process(lambda ct, t: launch_run(ct, t, options, notify=lambda _: None), flags,
                                       args.runs, after=stop_run)
             sets = [arg for item in FAKE for arg in ("--set", item)]
-            launch_cli = timed_cli(["launch", "--python", "fake-trainer", *sets], env, args.runs, after=stop_run)
+            launch_cli = timed_cli(["launch", "--python", "fake-trainer", *sets], env, args.runs, after=stop_run,
+                                   module="tests.sandbox.cli")
             rows.append(("launch, again (to verified running)", launch, launch_cli))
             # A running run for status and logs to read.
             with commands.connected(address.resolve(flags)) as ct:

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 FX_ERROR = "Detected that you are using FX to symbolically trace a dynamo-optimized function"
 STATS = re.compile(r"compiled flex_attention: (\d+) calls, (\d+) compiles after warm-up, (\d+) eager runs, "
                    r"(\d+) FX traces after warm-up, FX tracing flag (\w+)")
-# compile = "all": each compiled stage's line (training/stages.py StageStats.line)
+# compile = "all": each compiled stage's line (training/compile/stages.py StageStats.line)
 STAGE = re.compile(r"compiled ([a-z ]+): (\d+) keys warmed, (\d+) calls, (\d+) compiles after warm-up, "
                    r"(\d+) eager runs, (\d+) FX traces")
 

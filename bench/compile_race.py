@@ -73,7 +73,7 @@ def run_once(args: argparse.Namespace) -> dict:
     import torch
     from torch.nn.attention.flex_attention import flex_attention
 
-    from training.compile import (
+    from training.compile.flex import (
         AttentionShape,
         CallAudit,
         CompileEventCounter,
@@ -82,7 +82,7 @@ def run_once(args: argparse.Namespace) -> dict:
         fx_tracing_flag,
         projected_qkv,
     )
-    from training.mask import build_block_mask
+    from training.model.mask import build_block_mask
 
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     on_cpu = args.devices == "cpu"

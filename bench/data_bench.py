@@ -1,4 +1,4 @@
-"""The data phase of a training start, tokenising vs reading the tokenized cache (training/tokenized.py).
+"""The data phase of a training start, tokenising vs reading the tokenized cache (training/data/tokenized.py).
 
     python bench/data_bench.py [--conversations 20000] [--workers N] [--starts 3] [--json PATH]
 
@@ -45,7 +45,7 @@ def positive(text: str) -> int:
 
 def write_world(root: Path, count: int, seed: int = 0) -> Path:
     """The tiny tokenizer saved as a model directory's, and `count` conversations of 1-3 turns."""
-    from training.tiny import synthetic_words, tiny_tokenizer
+    from training.target.tiny import synthetic_words, tiny_tokenizer
 
     tiny_tokenizer().save_pretrained(root / "tokenizer")
     words = synthetic_words(300)
@@ -78,7 +78,7 @@ def one_start(root: Path, workers: int) -> dict:
     """In this (fresh) process: the tokenizer loaded, then the timed data phase."""
     from transformers import AutoTokenizer
 
-    from training.tokenized import load_training_data
+    from training.data.tokenized import load_training_data
 
     tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
     start = time.perf_counter()

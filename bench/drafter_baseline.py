@@ -17,10 +17,10 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-import training.model as model_module
-from training.attention import AttentionMask, attend
-from training.loss import dflash_loss
-from training.model import Drafter, DraftLayer, RMSNorm
+import training.model.drafter as model_module
+from training.model.attention import AttentionMask, attend
+from training.model.drafter import Drafter, DraftLayer, RMSNorm
+from training.model.loss import dflash_loss
 
 PARTS = ("norm", "qkv", "rope", "loss", "mask")
 

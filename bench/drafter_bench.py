@@ -6,6 +6,11 @@ same weights and batch, so one call measures before and after.
     python bench/drafter_bench.py [--device 0] [--variants new,old,old-loss,old-norm,old-qkv,old-rope,old-mask]
         [--chunk-sizes 2048,8192] [--repeats 10] [--profile] [--skip-target] [--json out.json]
     python bench/drafter_bench.py --small --device cpu   # toy dims on the CPU: a dry run of every code path
+    python bench/drafter_bench.py --shape smollm2-135m    # SmolLM2-135M's dims, batch as its preset trains
+
+Shapes (--shape): "qwen3-8b" (the default, below); "smollm2-135m": SmolLM2-135M-Instruct's dims (hidden 576, 9/3
+heads, MLP 1536, 30 layers, vocabulary 49,152, tied), 16 sequences of 1,024 tokens with 256 anchors each, as the
+smollm2-135m preset's micro-batch; "small" (= --small): toy dims. --rows overrides the sequences per step.
 
 Shapes (default): Qwen3-8B dims, random weights built on the device (no download): drafter of 5 layers with a
 random [151936, 4096] bf16 embedding and LM head, random [1, 3072, 5 x 4096] bf16 target features, 512
@@ -16,7 +21,7 @@ rope, loss, mask) so each change's share is measured. Extra chunk sizes add "new
 Times are medians over --repeats steps after --warmup steps, measured with CUDA events (no host clock). The
 block mask is built inside the timed step, as the trainer's drafter stage builds it: "fwd+bwd" is mask +
 forward + backward (the "mask" column shows its share). FLOPs count matrix products only, backward = 2 x
-forward (input and weight gradients; no recomputation), with training/flops.py's functions. The target's
+forward (input and weight gradients; no recomputation), with training/layout/flops.py's functions. The target's
 forward is timed twice: as the trainer runs it (up to its last feature layer) and with every layer ("before").
 """
 
@@ -41,19 +46,22 @@ sys.path.insert(0, str(BENCH.parent))
 sys.path.insert(0, str(BENCH))
 
 from drafter_baseline import PARTS, use_old
-from gpu_smoke import QWEN3_8B, SMALL, random_batch
+from gpu_smoke import QWEN3_8B, SMALL, SMOLLM2_135M, random_batch
 
-from training.attention import AttentionMask, build_mask, compile_flex_attention
-from training.devices import autocast
-from training.flops import drafter_flops, target_flops
-from training.loss import MATMUL_WRITES_FLOAT32, block_targets, dflash_loss
-from training.mask import create_block_mask_reference
-from training.model import Drafter, DrafterConfig
-from training.target import default_feature_layers
+from training.layout.devices import autocast
+from training.layout.flops import drafter_flops, target_flops
+from training.model.attention import AttentionMask, build_mask, compile_flex_attention
+from training.model.drafter import Drafter, DrafterConfig
+from training.model.loss import MATMUL_WRITES_FLOAT32, block_targets, dflash_loss
+from training.model.mask import create_block_mask_reference
+from training.target.frozen import default_feature_layers
 
 __all__ = ["DrafterConfig", "drafter_flops", "target_flops"]  # the tests read them here
 
 GAMMA, LR, NUM_FEATURES, BLOCK = 7.0, 6e-4, 5, 16
+# --shape: (target dims, context tokens, anchors per sequence, sequences per step)
+SHAPES = {"qwen3-8b": (QWEN3_8B, 3072, 512, 1), "smollm2-135m": (SMOLLM2_135M, 1024, 256, 16),
+          "small": (SMALL, 600, 32, 1)}
 VARIANTS = {"new": (), "compiled": (), "old": PARTS, **{f"old-{part}": (part,) for part in PARTS}}
 OPTIMIZER_RANGE, LOSS_RANGE, FORWARD_RANGE = "optimizer: clip + AdamW", "dflash loss", "drafter forward"
 RANGES = (OPTIMIZER_RANGE, LOSS_RANGE, FORWARD_RANGE)  # record_function names: ranges, not kernels
@@ -144,7 +152,8 @@ class Row:
 class Bench:
     """One drafter, its optimizer and one batch; variants swap code, never weights."""
 
-    def __init__(self, device: torch.device, dims: dict, context: int, num_anchors: int, matmul_tflops: float):
+    def __init__(self, device: torch.device, dims: dict, context: int, num_anchors: int, matmul_tflops: float,
+                 rows: int = 1):
         from transformers import Qwen3Config
 
         self.device, self.clock, self.matmul_tflops = device, Clock(device), matmul_tflops
@@ -164,12 +173,13 @@ class Bench:
             lm_head = torch.randn(c.vocab_size, c.hidden_size, generator=gen, dtype=self.dtype) * 0.02
             torch.manual_seed(0)
             self.drafter = Drafter(c, embedding, lm_head).train()
-            self.features = torch.randn(1, context, NUM_FEATURES * c.hidden_size, generator=gen, dtype=self.dtype)
+            self.features = torch.randn(rows, context, NUM_FEATURES * c.hidden_size, generator=gen,
+                                        dtype=self.dtype)
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=LR, betas=(0.9, 0.95), weight_decay=0.0, fused=cuda)
-        self.batch = random_batch(device, c.vocab_size, context, num_anchors)
+        self.batch = random_batch(device, c.vocab_size, context, num_anchors, rows)
         _, weights = self.targets()
-        self.flops = drafter_flops(c, 1, context, self.batch.anchors, self.batch.block_valid,
+        self.flops = drafter_flops(c, rows, context, self.batch.anchors, self.batch.block_valid,
                                    int((weights > 0).sum()))
         self.total_flops = sum(self.flops.values())
 
@@ -184,9 +194,9 @@ class Bench:
             self.compiled = False
 
     def compile_stages(self, chunk_size: int) -> dict:
-        """compile = "all": the drafter's stages (training/stages.py) warmed on this batch's shapes, forward and
+        """compile = "all": the drafter's stages (training/compile/stages.py) warmed on this batch's shapes, forward and
         backward, as the trainer's main thread warms them; returns the warm-up's seconds and keys."""
-        from training.stages import compiled_drafter_stages, stages_of, warming_all
+        from training.compile.stages import compiled_drafter_stages, stages_of, warming_all
 
         self.drafter.stages = compiled_drafter_stages(keys_expected=2 * self.config.num_layers)
         start = time.time()
@@ -200,7 +210,7 @@ class Bench:
         return {"compile_s": time.time() - start, "keys": {s.name: s.stats().keys for s in stages_of(self.drafter.stages)}}
 
     def stage_counters(self) -> dict:
-        from training.stages import stages_of
+        from training.compile.stages import stages_of
 
         return {s.name: s.stats().line() for s in stages_of(self.drafter.stages)} if self.drafter.stages else {}
 
@@ -209,7 +219,7 @@ class Bench:
         return block_targets(b.input_ids, b.loss_mask, b.anchors, b.block_valid, BLOCK, GAMMA)
 
     def forward_loss(self, loss_fn, chunk_size: int, mask) -> torch.Tensor:
-        """What training.step.drafter_stage does after building the mask, with profiler ranges."""
+        """What training.model.step.drafter_loss does after building the mask, with profiler ranges."""
         labels, weights = self.targets()
         with autocast(self.device, self.dtype):
             anchor_tokens = self.batch.input_ids.gather(1, self.batch.anchors)
@@ -407,12 +417,12 @@ def rms_norm_dispatch(device: torch.device) -> dict[str, bool]:
 
 
 def time_target(device: torch.device, dims: dict, context: int, clock: Clock, warmup: int, repeats: int,
-                rate: float) -> dict:
+                rate: float, batch_rows: int = 1) -> dict:
     """A Qwen3-8B-shaped random target (built where it runs), its features() forward at `context` tokens: as
     the trainer runs it (up to the last feature layer) and, as "before", with every layer."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from training.target import Target
+    from training.target.frozen import Target
 
     cuda = device.type == "cuda"
     start = time.time()
@@ -421,15 +431,15 @@ def time_target(device: torch.device, dims: dict, context: int, clock: Clock, wa
                                                  attn_implementation="sdpa")
     clock.sync()
     build_s = time.time() - start
-    input_ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
+    input_ids = torch.randint(0, model.config.vocab_size, (batch_rows, context), device=device)
     rows = {}
     for name, run_all_layers in (("target", False), ("target_all_layers", True)):
         target = Target(model, tokenizer=None, run_all_layers=run_all_layers)
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         ms = median_ms(lambda target=target: target.features(input_ids), clock, warmup, repeats)
-        flops = target_flops(model.config, 1, context, target.layers_run)
-        rows[name] = {"build_s": build_s, "forward_ms": ms, "tokens_per_s": context / (ms * 1e-3), "flops": flops,
+        flops = target_flops(model.config, batch_rows, context, target.layers_run)
+        rows[name] = {"build_s": build_s, "forward_ms": ms, "tokens_per_s": batch_rows * context / (ms * 1e-3), "flops": flops,
                       "mfu": flops / (ms * 1e-3) / (rate * 1e12), "layers_run": target.layers_run,
                       "feature_layers": target.layers,
                       "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")}
@@ -440,12 +450,12 @@ def time_target(device: torch.device, dims: dict, context: int, clock: Clock, wa
 
 def time_compiled_target(model, input_ids: torch.Tensor, clock: Clock, warmup: int, repeats: int, rate: float,
                          build_s: float) -> dict:
-    """The trainer's forward with compile = "all": the decoder layers as one compiled stage (training/stages.py),
+    """The trainer's forward with compile = "all": the decoder layers as one compiled stage (training/compile/stages.py),
     warmed at this shape first (the warm-up's seconds are the row's compile_s)."""
-    from training.stages import CompiledStage, decoder_layer_forward
-    from training.target import Target
+    from training.compile.stages import CompiledStage, decoder_layer_forward
+    from training.target.frozen import Target
 
-    device, context = input_ids.device, input_ids.shape[1]
+    device, (batch_rows, context) = input_ids.device, input_ids.shape
     target = Target(model, tokenizer=None)
     stage = CompiledStage("target layers", decoder_layer_forward, keys_expected=target.layers_run)
     target.compile_layers(stage)
@@ -458,11 +468,11 @@ def time_compiled_target(model, input_ids: torch.Tensor, clock: Clock, warmup: i
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     ms = median_ms(lambda: target.features(input_ids, compiled=True), clock, warmup, repeats)
-    flops = target_flops(model.config, 1, context, target.layers_run)
+    flops = target_flops(model.config, batch_rows, context, target.layers_run)
     stats = stage.stats()
     stage.close()
-    return {"build_s": build_s, "compile_s": compile_s, "forward_ms": ms, "tokens_per_s": context / (ms * 1e-3),
-            "flops": flops, "mfu": flops / (ms * 1e-3) / (rate * 1e12), "layers_run": target.layers_run,
+    return {"build_s": build_s, "compile_s": compile_s, "forward_ms": ms,
+            "tokens_per_s": batch_rows * context / (ms * 1e-3), "flops": flops, "mfu": flops / (ms * 1e-3) / (rate * 1e12), "layers_run": target.layers_run,
             "feature_layers": target.layers, "compiles_after_warmup": stats.compiles_after_seal,
             "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")}
 
@@ -471,6 +481,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = _Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="0", help="GPU index, or cpu (with --small)")
     parser.add_argument("--small", action="store_true", help="toy dims (a dry run of every code path)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b", help="the dims and batch (above)")
+    parser.add_argument("--rows", type=int, default=0, help="sequences per step (0 = the shape's)")
     parser.add_argument("--variants", default="new,old,old-loss,old-norm,old-qkv,old-rope,old-mask",
                         help=f"comma list from {', '.join(VARIANTS)}; the first is the correctness reference")
     parser.add_argument("--chunk-sizes", default="2048,8192",
@@ -538,7 +550,8 @@ def print_table(report: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device("cpu" if args.device == "cpu" else f"cuda:{args.device}")
-    if device.type == "cpu" and not args.small:
+    shape = "small" if args.small else args.shape
+    if device.type == "cpu" and shape != "small":
         print("error: --device cpu needs --small (Qwen3-8B shapes on the CPU would take hours)", file=sys.stderr)
         return 2
     if device.type == "cuda":
@@ -546,7 +559,8 @@ def main(argv: list[str] | None = None) -> int:
             print("error: CUDA is not available (use --device cpu --small for a dry run)", file=sys.stderr)
             return 2
         torch.cuda.set_device(device)
-    dims, context, num_anchors = (SMALL, 600, 32) if args.small else (QWEN3_8B, 3072, 512)
+    dims, context, num_anchors, batch_rows = SHAPES[shape]
+    batch_rows = args.rows or batch_rows
     import transformers
 
     clock = Clock(device)
@@ -556,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"matmul {rate:.1f} TFLOP/s, copy {bandwidth:.0f} GB/s", flush=True)
 
     start = time.time()
-    bench = Bench(device, dims, context, num_anchors, rate)
+    bench = Bench(device, dims, context, num_anchors, rate, batch_rows)
     print(f"drafter built in {time.time() - start:.1f} s: {bench.drafter.num_trainable() / 1e6:.1f} M trainable; "
           f"counted {bench.total_flops:.3e} FLOP/step", flush=True)
     variants = [Variant(name, VARIANTS[name], args.chunks[0], name == "compiled") for name in args.variant_names]
@@ -570,14 +584,15 @@ def main(argv: list[str] | None = None) -> int:
         row = bench.time(variant, args.warmup, args.repeats, differences[variant.name])
         rows.append(row)
         print(f"{variant.name}: fwd+bwd {row.fwd_bwd_ms:.1f} ms, step {row.step_ms:.1f} ms, "
-              f"MFU {100 * row.mfu_step:.1f}%", flush=True)
+              f"{batch_rows * context / (row.step_ms * 1e-3):,.0f} tokens/s, MFU {100 * row.mfu_step:.1f}%", flush=True)
 
     report = {
         "torch": torch.__version__, "transformers": transformers.__version__,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:],
-        "shapes": f"{'toy' if args.small else 'Qwen3-8B'} dims, context {context}, {num_anchors} anchors x {BLOCK}, "
+        "shapes": f"{shape} dims, {batch_rows} x {context} tokens, {num_anchors} anchors x {BLOCK} each, "
                   f"{bench.dtype}, {bench.backend}",
+        "tokens_per_step": batch_rows * context,
         "matmul_tflops": rate, "copy_gbps": bandwidth, "rms_norm_fused": rms_norm_dispatch(device),
         "mm_float32_output": MATMUL_WRITES_FLOAT32 and device.type == "cuda",
         "trainable_params": bench.drafter.num_trainable(), "flops": bench.flops, "flops_total": bench.total_flops,
@@ -590,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_target:
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        report.update(time_target(device, dims, context, clock, args.warmup, args.repeats, rate))
+        report.update(time_target(device, dims, context, clock, args.warmup, args.repeats, rate, batch_rows))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     print_table(report)

@@ -27,12 +27,12 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from training.attention import compile_flex_attention
-from training.data import Batch
-from training.evaluate import EvalSet, acceptance_length
-from training.model import Drafter, DrafterConfig
-from training.step import drafter_stage
-from training.target import Target
+from training.data.chat import Batch
+from training.model.attention import compile_flex_attention
+from training.model.drafter import Drafter, DrafterConfig
+from training.model.step import drafter_loss
+from training.serve.evaluate import EvalSet, acceptance_length
+from training.target.frozen import Target
 from training.trainer import cosine_schedule
 
 QWEN3_8B = {  # Qwen3-8B's config.json dims
@@ -41,6 +41,11 @@ QWEN3_8B = {  # Qwen3-8B's config.json dims
     "rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
     "rope_theta": 1000000.0, "tie_word_embeddings": False,
 }
+SMOLLM2_135M = {  # SmolLM2-135M-Instruct's dims (a Llama; the drafter's layers are Qwen3-style either way)
+    **QWEN3_8B, "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+    "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5, "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},
+    "tie_word_embeddings": True}
 SMALL = {**QWEN3_8B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
 BLOCK, GAMMA, CHUNK = 16, 7.0, 2048
@@ -78,14 +83,17 @@ def tiny_on_gpu(device: int, workdir: Path) -> None:
            ("tau untrained/trained", f"{taus[0]:.3f} / {taus[-1]:.3f}")])
 
 
-def random_batch(device: torch.device, vocab: int, context: int, num_anchors: int) -> Batch:
+def random_batch(device: torch.device, vocab: int, context: int, num_anchors: int, rows: int = 1) -> Batch:
+    """`rows` sequences of `context` tokens, each a 200-token prompt and `num_anchors` anchors in its reply."""
     gen = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(0, vocab, (1, context), generator=gen)
-    loss_mask = torch.ones((1, context), dtype=torch.bool)
+    input_ids = torch.randint(0, vocab, (rows, context), generator=gen)
+    loss_mask = torch.ones((rows, context), dtype=torch.bool)
     loss_mask[:, :200] = False  # a prompt
     candidates = torch.arange(200, context - BLOCK + 1)
-    anchors = candidates[torch.randperm(len(candidates), generator=gen)[:num_anchors]].sort().values[None]
-    return Batch(input_ids, loss_mask, anchors, torch.ones((1, num_anchors), dtype=torch.bool), context).to(device)
+    anchors = torch.stack([candidates[torch.randperm(len(candidates), generator=gen)[:num_anchors]].sort().values
+                           for _ in range(rows)])
+    return Batch(input_ids, loss_mask, anchors, torch.ones((rows, num_anchors), dtype=torch.bool),
+                 context).to(device)
 
 
 def memory_gib(device: torch.device, peak: bool = False) -> float:
@@ -131,7 +139,7 @@ def qwen3_8b_shapes(device: torch.device, steps: int, small: bool) -> None:
         features = target.features(batch.input_ids).to(device, non_blocking=True)  # the target stage
         sync(device)
         t1 = time.time()
-        output = drafter_stage(drafter, features, batch, backend, GAMMA, CHUNK, dtype, flex_attention)
+        output = drafter_loss(drafter, features, batch, backend, GAMMA, CHUNK, dtype, flex_attention)
         output.loss.backward()
         sync(device)
         t2 = time.time()

@@ -13,7 +13,7 @@
    bf16 matrix rate, the MFU denominator of both tables.
 
 Table per layout: steady tokens/s (the windows after the first, which holds the pipeline's fill), counted
-TFLOP/s (training/flops.py: the target forward up to its last feature layer + the drafter step) and MFU
+TFLOP/s (training/layout/flops.py: the target forward up to its last feature layer + the drafter step) and MFU
 against the measured matrix rate, peak memory, and auto's predicted tokens/s. Everything each run printed
 and its metrics lines go to --out (default: a temporary directory), with a JSON summary.
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -87,6 +88,7 @@ def one_process(args, gpus: list[str], out: Path) -> dict:
 
 def two_nodes(args, gpus: list[str], out: Path) -> dict:
     port = free_port()
+    secret = secrets.token_hex(32)  # the per-run node secret gpuctl gives every node (a run without one is refused)
     procs, dirs = [], []
     began = time.time()
     for rank, gpu in enumerate(gpus):
@@ -94,7 +96,7 @@ def two_nodes(args, gpus: list[str], out: Path) -> dict:
         dirs.append(run_dir)
         device = '"cpu"' if gpu == "cpu" else gpu
         env = {"RANK": str(rank), "WORLD_SIZE": str(len(gpus)), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo"}
+               "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo", "GPUCTL_NODE_SECRET": secret}
         sets = [*common_sets(args, run_dir), f"devices=[{device}]", f"node_backend={args.backend}"]
         procs.append(start(sets, out / f"node{rank}.log", out / f"node{rank}.metrics.jsonl", env))
     codes = finish(procs, args.run_timeout)

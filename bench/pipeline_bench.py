@@ -36,12 +36,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from training.attention import FlexAttention, compile_flex_attention
 from training.config import TrainConfig
-from training.data import Batch, BatchStream, Sequence
-from training.model import Drafter, DrafterConfig
+from training.data.chat import Batch, BatchStream, Sequence
+from training.model.attention import FlexAttention, compile_flex_attention
+from training.model.drafter import Drafter, DrafterConfig
 from training.pipeline import Pipeline, PipelineConfig, Utilisation
-from training.target import Target
+from training.target.frozen import Target
 from training.trainer import DrafterReplica, TargetReplica
 
 FEATURE_LAYERS = [1, 9, 17, 25, 33]
@@ -50,7 +50,7 @@ QWEN3_8B = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 1228
 SMOKE = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 16}
 # One compiled shape, so one plain compiled flex_attention, passed to every replica, serves; warm-ups still take
-# turns so that no thread calls it while another compiles it (ARCHITECTURE §6). The trainer uses training/compile.py's
+# turns so that no thread calls it while another compiles it (ARCHITECTURE §6). The trainer uses training/compile/flex.py's
 # full discipline.
 WARMUP_LOCK = threading.Lock()
 

@@ -3,7 +3,7 @@ trains on its answers, and the reference DFlash loop measures it (README "Train 
 
     python bench/real_target.py regenerate --work W --prompts P [--shards 4] [--seconds 450] --out O
     python bench/real_target.py train --work W --data D --chat C --steps N [--conversations K] [--architecture
-        dflash|dflash2] --name NAME --out O
+        dflash|dflash2] [--set KEY=VALUE ...] [--resume] [--measure [--speedup]] --name NAME --out O
     python bench/real_target.py join PARTS_DIR EXPORT_DIR
     python bench/real_target.py report O... [--plot FILE]
 
@@ -16,8 +16,13 @@ GPU that one leaves idle), stops them with SIGTERM at `--seconds` (each writes i
 `python -m training.train --config smollm2-135m` on the first `--conversations` of D with the held-out chat
 prompts C as its evaluation set, under a hard bound of `--seconds` (SIGTERM: the trainer checkpoints, and the
 checkpoint is exported), and writes O/NAME-metrics.jsonl, O/NAME-train.log and the export in parts of at most
-15 MiB (O/NAME-export/), which `join` puts back together on the other machine. `report` prints the table of
-every run under the O directories and draws tau against steps. What each call's command line is, with the
+15 MiB (O/NAME-export/), which `join` puts back together on the other machine. `--resume` continues the run NAME
+of an earlier call on the same machine (its checkpoint, to the new `--steps`): one run trained in two calls.
+`--measure` makes the call an arm: after training, the export is measured on the same GPU by the reference loop
+(`python -m training.acceptance`, float32, greedy: HumanEval's first `--eval-limit` problems and the chat set's,
+the two sets side by side), with the trainer's tau beside the served one, and `--speedup` adds the wall-clock
+speed-up over the target's own greedy decode (bf16, batch 1, HumanEval 16); the arm's row (O/NAME.json) holds
+them all. `report` prints the table of every run under the O directories and draws tau against steps. What each call's command line is, with the
 files it carries: docs/BENCHMARKS.md, "A drafter that accelerates SmolLM2".
 """
 
@@ -67,7 +72,7 @@ def devices(device: str) -> str:
 
 
 def build_target(work: Path, gguf: str) -> Path:
-    from training.from_gguf import ensure_target_from_gguf
+    from training.target.from_gguf import ensure_target_from_gguf
 
     target = work / "target"
     started = time.perf_counter()
@@ -177,12 +182,14 @@ def train(args: argparse.Namespace) -> int:
     lines = jsonl_lines(Path(args.data))
     data.write_text("\n".join(lines[: args.conversations or None]) + "\n")
     runs = work / f"runs-{args.name}"
-    shutil.rmtree(runs, ignore_errors=True)
+    if not args.resume:
+        shutil.rmtree(runs, ignore_errors=True)
     settings = [f"target_path={work / 'target'}", "target_gguf=", f"data_path={data}",
                 f"eval_data_path={Path(args.chat).resolve()}", f"eval_prompts={args.eval_prompts}",
                 f"max_steps={args.steps}", f"eval_every={args.eval_every}", f"save_every={args.steps}",
                 f"runs_dir={runs}", f"devices={devices(args.device)}", f"architecture={args.architecture}", *args.set]
-    command = python("-m", "training.train", "--config", "smollm2-135m", *[f"--set={s}" for s in settings])
+    command = python("-m", "training.train", "--config", "smollm2-135m", *[f"--set={s}" for s in settings],
+                     *(["--resume"] if args.resume else []))
     started = time.perf_counter()
     code = run_bounded(command, args.seconds, out / f"{args.name}-train.log",
                        {"PYTHONUNBUFFERED": "1", "GPUCTL_RUN_HOME": args.name})
@@ -196,9 +203,53 @@ def train(args: argparse.Namespace) -> int:
         split(export, out / f"{args.name}-export")
     summary = summarize_run(args.name, read_text(out / f"{args.name}-metrics.jsonl"), wall, len(lines))
     summary["exit_code"] = code
-    (out / f"{args.name}.json").write_text(json.dumps(summary, indent=1) + "\n")
+    earlier = work / f"{args.name}.json"  # a resumed run's earlier calls: their training time counts too
+    if args.resume and earlier.exists():
+        before = json.loads(earlier.read_text())
+        summary["calls"] = before.get("calls", 1) + 1
+        summary["train_s"] = round(before["train_s"] + summary["train_s"], 1)
+    if args.measure:
+        summary.update(measure_arm(args, work, export, out))
+    for where in (out, work):
+        (where / f"{args.name}.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(table(list(ROW), [summary]))
     return code
+
+
+def measure_arm(args: argparse.Namespace, work: Path, export: Path, out: Path) -> dict:
+    """The export in the reference loop on this GPU: served and trainer tau on HumanEval and the chat set (two
+    processes side by side, float32), then (with --speedup) the wall-clock speed-up, alone on the GPU."""
+    device = "cpu" if args.device == "cpu" else f"cuda:{args.device}"
+    common = ["--export", str(export), "--target", str(work / "target"), "--device", device,
+              "--new-tokens", str(args.eval_new_tokens)]
+    sets = {"humaneval": "humaneval", "chat": str(Path(args.chat).resolve())}
+    started = time.perf_counter()
+    with contextlib.ExitStack() as logs:
+        processes = {name: subprocess.Popen(
+            python("-m", "training.acceptance", *common, "--prompts", prompts, "--limit", str(args.eval_limit),
+                   "--dtype", "float32", "--json", str(out / f"{args.name}-{name}.json")),
+            stdout=logs.enter_context(open(out / f"{args.name}-{name}.log", "w")), stderr=subprocess.STDOUT,
+            cwd=ROOT) for name, prompts in sets.items()}
+        codes = {name: process.wait() for name, process in processes.items()}
+    found = {"measure_s": round(time.perf_counter() - started, 1), "acceptance_exit_codes": codes}
+    for name in sets:
+        result = out / f"{args.name}-{name}.json"
+        if result.exists():
+            figures = next(iter(json.loads(result.read_text())["sets"].values()))
+            found[f"served_tau_{name}"] = round(figures["served_tau"], 3)
+            found[f"trainer_tau_{name}"] = round(figures["trainer_tau"], 3)
+            found[f"lossless_{name}"] = f"{figures['prompts'] - figures['differing']}/{figures['prompts']}"
+    if args.speedup:
+        result = out / f"{args.name}-speedup.json"
+        with open(out / f"{args.name}-speedup.log", "w") as log:
+            subprocess.run(python("-m", "training.acceptance", *common, "--prompts", "humaneval", "--limit", "16",
+                                  "--dtype", "bfloat16", "--speedup", "--json", str(result)),
+                           cwd=ROOT, check=False, stdout=log, stderr=subprocess.STDOUT)
+        if result.exists():
+            figures = json.loads(result.read_text())
+            found["speedup_bf16"] = round(figures["speedup"], 2)
+            found["target_alone_tokens_per_s"] = round(figures["tokens"] / figures["target_s"], 1)
+    return found
 
 
 def split(export: Path, parts: Path) -> None:
@@ -224,7 +275,9 @@ def join(args: argparse.Namespace) -> int:
 
 ROW = {"run": "run", "conversations": "conversations", "steps": "steps", "wall_s": "wall s",
        "train_s": "train s", "tokens_per_s": "tokens/s", "tflops_per_s": "TFLOP/s", "mfu": "MFU",
-       "final_tau": "tau (chat, trainer)"}
+       "final_tau": "tau (chat, trainer)", "served_tau_humaneval": "served tau HumanEval",
+       "served_tau_chat": "served tau chat", "trainer_tau_humaneval": "trainer tau HumanEval",
+       "lossless_humaneval": "lossless HumanEval", "lossless_chat": "lossless chat", "speedup_bf16": "speed-up bf16"}
 
 
 def summarize_run(name: str, metrics_text: str, wall: float | None, conversations: int | None) -> dict:
@@ -334,6 +387,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                      help="the drafter: DFlash, or DFlash2 with the trainer's DFlash2 defaults (same data and steps)")
     fit.add_argument("--no-export", action="store_true", help="leave the export out of --out ($OUT holds 8 files)")
     fit.add_argument("--set", action="append", default=[], help="another trainer setting KEY=VALUE")
+    fit.add_argument("--resume", action="store_true", help="continue the run NAME of an earlier call (to --steps)")
+    fit.add_argument("--measure", action="store_true", help="then measure the export in the reference loop")
+    fit.add_argument("--speedup", action="store_true", help="with --measure: also the bf16 wall-clock speed-up")
+    fit.add_argument("--eval-limit", type=int, default=64, help="with --measure: prompts of each set")
+    fit.add_argument("--eval-new-tokens", type=int, default=256, help="with --measure: tokens per prompt")
     fit.add_argument("--out", required=True)
     together = verbs.add_parser("join")
     together.add_argument("parts")

@@ -4,11 +4,11 @@
                                      [--records 64] [--batch-size 32] [--new-tokens 256]
                                      [--decodes dynamic,static] [--work DIR] [--json FILE]
 
-Without --target, saves the qwen3-8b-random world's random-weight target (training/random_world.py: Qwen3-8B's
+Without --target, saves the qwen3-8b-random world's random-weight target (training/target/random_world.py: Qwen3-8B's
 shape, the tiny word-level tokenizer and its chat template) as a model directory; random weights rarely stop
 early, so every reply is about `--new-tokens` long and the figure is the decode rate itself. --target takes a
-model directory (e.g. SmolLM2 made by training/from_gguf.py) and --prompts a prompts file (e.g. the ShareGPT one
-of training/prompts.py); the first `--records` are used. Each decode of `--decodes` regenerates the same records
+model directory (e.g. SmolLM2 made by training/target/from_gguf.py) and --prompts a prompts file (e.g. the ShareGPT one
+of training/data/prompts.py); the first `--records` are used. Each decode of `--decodes` regenerates the same records
 into its own output, one after the other, on `--devices` (a thread per GPU); the table has, per decode, the
 generated tokens per second from the run's own metrics lines, the wall time (load + capture + generate), the
 static decode's capture time and how many replies are equal to the first decode's. `--shape qwen3-8b-narrow
@@ -31,9 +31,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from training.random_world import random_target, synthetic_conversations
-from training.regenerate import main as regenerate_main
-from training.regenerate import metrics_file
+from training.regenerate.run import main as regenerate_main
+from training.regenerate.run import metrics_file
+from training.target.random_world import random_target, synthetic_conversations
 
 
 class Tee(io.TextIOBase):

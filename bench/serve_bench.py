@@ -4,7 +4,7 @@
 
 Builds a random-weight Qwen3-8B-shaped target (bf16, from a transformers config: no download) and a random
 drafter of the trainer (5 layers, block 16), checkpoints it with the trainer's own code, exports it with
-`training.export` (the directory SGLang and vLLM load), loads that with the reference `DFlashDraftModel`, and
+`training.serve.export` (the directory SGLang and vLLM load), loads that with the reference `DFlashDraftModel`, and
 prints a table: the reference drafter's time per block (one forward over the context plus a 16-token block,
 CUDA events), the whole greedy speculative loop (`dflash_generate`) per output token, and peak memory. The
 reference's proposals for one block are compared with the trainer's drafter on the same context.
@@ -26,10 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from training.checkpoint import save_checkpoint
-from training.export import export_checkpoint
-from training.model import Drafter, DrafterConfig
-from training.target import Target
+from training.model.drafter import Drafter, DrafterConfig
+from training.output.checkpoint import save_checkpoint
+from training.serve.export import export_checkpoint
+from training.target.frozen import Target
 
 QWEN3_8B = {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
                 "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960}
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
         draft_ms = timed(draft_block, device, args.repeats)
         theirs = draft_block()
-        from training.attention import build_mask
+        from training.model.attention import build_mask
 
         anchors = torch.tensor([[args.prompt_len - 1]], device=device)
         mask = build_mask("sdpa", anchors, torch.ones_like(anchors, dtype=torch.bool), args.prompt_len - 1, 16)

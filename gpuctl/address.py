@@ -18,7 +18,7 @@ import json
 import os
 import re
 import tempfile
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,8 @@ DEFAULT_CONNECT_TIMEOUT = 10.0
 ENV = {"host": "GPUCTL_HOST", "port": "GPUCTL_PORT", "user": "GPUCTL_USER", "identity": "GPUCTL_IDENTITY",
        "ct": "GPUCTL_CT", "ssh_config": "GPUCTL_SSH_CONFIG"}
 REMEMBERED = "target.json"
+FROM_REMEMBERED = "the remembered target"  # a setting's source, as its errors name it
+FORGET = "gpuctl target --forget clears it"
 ADDRESS_RE = re.compile(r"^(?:(?P<user>[^@/\s]+)@)?(?P<host>\[[0-9a-fA-F:.]+\]|[^@/:\s\[\]]+)"
                        r"(?::(?P<port>[^/]*))?(?:/(?P<ct>.*))?$")
 
@@ -66,6 +68,25 @@ class Address:
     ssh_config: str | None = None
     accept_new_host_key: bool = False
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+    # Where each setting came from, for its errors: (field, source) pairs, the command line's left out.
+    sources: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
+
+    def origin(self, *keys: str) -> str:
+        """Where these settings came from, for an error about them: "" for the command line, else e.g. " (from
+        the remembered target; gpuctl target --forget clears it)" or " (from GPUCTL_SSH_CONFIG)"."""
+        found = dict(self.sources)
+        named = [found[k] for k in keys if k in found]
+        if not named:
+            return ""
+        if FROM_REMEMBERED in named:
+            return f" (from {FROM_REMEMBERED}; {FORGET})"
+        return f" (from {', '.join(dict.fromkeys(named))})"
+
+    def remembered(self, *keys: str) -> str:
+        """origin(keys) when one of them came from the remembered target, else "": an error the user may not
+        connect with anything typed names it (and how to forget it)."""
+        origin = self.origin(*keys)
+        return origin if FROM_REMEMBERED in origin else ""
 
     def describe(self) -> str:
         return f"CT {self.ct} on {self.host}"
@@ -141,10 +162,10 @@ def _from_env(env: dict[str, str]) -> dict[str, Any]:
 
 
 CONFIG_KEYS = {"host", "port", "user", "identity", "ct", "ssh_config", "connect_timeout"}
-TOP_KEYS = CONFIG_KEYS | {"profiles", "clusters"}  # what config.toml may hold at its top level
+TOP_KEYS = CONFIG_KEYS | {"profiles", "clusters", "timeouts"}  # what config.toml may hold at its top level
 
 
-def _read_config() -> dict[str, Any]:
+def read_config() -> dict[str, Any]:
     path = paths.config_file()
     if not path.is_file():
         return {}
@@ -160,7 +181,7 @@ def config_warnings() -> list[str]:
     import difflib
 
     lines = []
-    for key in sorted(set(_read_config()) - TOP_KEYS):
+    for key in sorted(set(read_config()) - TOP_KEYS):
         near = difflib.get_close_matches(key, sorted(TOP_KEYS), n=1)
         hint = f"did you mean {near[0]!r}?" if near else f"known keys: {', '.join(sorted(TOP_KEYS))}"
         lines.append(f"warning: {paths.config_file()}: unknown key {key!r} is ignored ({hint})")
@@ -195,17 +216,27 @@ def _remembered() -> dict[str, Any]:
 
 def resolve(flags: AddressFlags, env: dict[str, str] | None = None) -> Address:
     env = dict(os.environ) if env is None else env
-    config = _read_config()
-    env_layer = _profile(config, env.get("GPUCTL_PROFILE"), "GPUCTL_PROFILE") | _from_env(env)
-    flag_layer = _profile(config, flags.profile, "--profile") | _from_flags(flags)
+    config = read_config()
+    env_profile = _profile(config, env.get("GPUCTL_PROFILE"), "GPUCTL_PROFILE")
+    flag_profile = _profile(config, flags.profile, "--profile")
+    env_layer = env_profile | _from_env(env)
+    own = _from_flags(flags)
+    flag_layer = flag_profile | own
     explicit = env_layer | flag_layer  # the command line wins over the environment
     remembered = _remembered()
     if "host" in explicit and remembered.get("host") != explicit["host"]:
         remembered = {}  # another host was asked for: its container number means nothing there
-    return _address(_from_config(config) | remembered | explicit, flags)
+    from_config = _from_config(config)
+    # Each setting's source, lowest first as the layers are merged (the command line's own: no source named).
+    sources = {k: str(paths.config_file()) for k in from_config} | {k: FROM_REMEMBERED for k in remembered}
+    sources |= {k: f"profile {env.get('GPUCTL_PROFILE')!r}" for k in env_profile}
+    sources |= {k: ENV[k] for k in _from_env(env)}
+    sources |= {k: f"profile {flags.profile!r}" for k in flag_profile}
+    sources = {k: v for k, v in sources.items() if k not in own}
+    return _address(from_config | remembered | explicit, flags, sources)
 
 
-def _address(merged: dict[str, Any], flags: AddressFlags) -> Address:
+def _address(merged: dict[str, Any], flags: AddressFlags, sources: dict[str, str] | None = None) -> Address:
     timeout = flags.connect_timeout if flags.connect_timeout is not None else merged.get("connect_timeout")
     if "host" not in merged:
         raise usage_error("no host: pass --host HOST (or TARGET, or set GPUCTL_HOST)")
@@ -213,10 +244,10 @@ def _address(merged: dict[str, Any], flags: AddressFlags) -> Address:
         raise usage_error("no container: pass --ct CTID (or HOST/CTID as TARGET, or set GPUCTL_CT)")
     if timeout is not None and timeout <= 0:
         raise usage_error(f"--connect-timeout must be positive, got {timeout}")
-    known = {f.name for f in fields(Address)}
+    known = {f.name for f in fields(Address)} - {"sources"}
     address = Address(**{k: v for k, v in merged.items() if k in known})
     return replace(address, accept_new_host_key=flags.accept_new_host_key,
-                   connect_timeout=timeout or DEFAULT_CONNECT_TIMEOUT)
+                   connect_timeout=timeout or DEFAULT_CONNECT_TIMEOUT, sources=tuple((sources or {}).items()))
 
 
 # Where a node's fields come from besides its own TARGET or profile: the rest of the command line and environment.
@@ -248,7 +279,7 @@ def resolve_nodes(flags: AddressFlags, nodes: list[str], cluster: str | None,
     env = dict(os.environ) if env is None else env
     if flags.target or flags.host or flags.ct or flags.profile:
         raise usage_error("--node and --cluster name the containers: leave out TARGET, --host, --ct and --profile")
-    config = _read_config()
+    config = read_config()
     if cluster is not None:
         if nodes:
             raise usage_error("--node and --cluster cannot be combined")
@@ -285,9 +316,29 @@ def remembered_nodes(flags: AddressFlags, env: dict[str, str] | None = None) -> 
         # A node's own user and port stay its own; the key and ssh_config asked for now apply to every node.
         below = {k: v for k, v in common.items() if k in ("user", "port")}
         above = {k: v for k, v in common.items() if k not in below}
-        return [_address(below | _validated(node, "remembered node") | above, flags) for node in nodes], number
+        return [_address(below | (own := _validated(node, "remembered node")) | above, flags,
+                         {k: FROM_REMEMBERED for k in own if k not in common}) for node in nodes], number
     except (OSError, ValueError, KeyError, TypeError, GpuctlError):
         return None  # a single address remembered, or nothing: resolve() goes on as before
+
+
+def remembered_target() -> tuple[Path, dict[str, Any] | None]:
+    """The remembered target's file and what it holds (None: nothing remembered, or a file that cannot be read)."""
+    path = paths.state_dir() / REMEMBERED
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return path, None
+    return path, doc if isinstance(doc, dict) else None
+
+
+def forget() -> bool:
+    """Forget the remembered target; whether there was one."""
+    try:
+        (paths.state_dir() / REMEMBERED).unlink()
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _kept(address: Address) -> dict[str, Any]:

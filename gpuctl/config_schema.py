@@ -1,14 +1,22 @@
 """A launch's config checked on the workstation before anything is sent (ARCHITECTURE §3): the preset exists, a
 local config file exists and is TOML, every key of the preset, file and `--set` is one of the task's and its value
 has the key's type. Against the trainer's schema (training/config_schema.json, generated from its config
-dataclasses: gpuctl never imports the trainer), with the trainer's own messages. Rules across fields (and value
-ranges) stay the trainer's, checked in the container.
+dataclasses: gpuctl never imports the trainer), with the trainer's own messages. Then the trainer's own rules
+(ranges, choices, rules across fields such as warmup_ratio in [0, 1)): its config module, training/config.py,
+which needs only the standard library, is run from the bundle by its file path (not imported as a package: the
+two halves stay apart, and a torch-less workstation runs it), and a value it refuses is one line, exit 2.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import importlib.util
 import json
+import sys
+import threading
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from gpuctl import paths
@@ -60,7 +68,9 @@ def parse_override(text: str) -> tuple[str, Any]:
 def check_values(keys: dict[str, Any], values: dict[str, Any], where: str) -> None:
     for key, value in values.items():
         if key not in keys:
-            raise usage_error(f"unknown config key {key!r} ({where})")
+            near = difflib.get_close_matches(key, list(keys), n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise usage_error(f"unknown config key {key!r} ({where}){hint}")
         if not matches(value, keys[key]["type"]):
             raise usage_error(f"{key} must be {keys[key]['name']}, got {value!r} ({where})")
 
@@ -90,16 +100,59 @@ def config_values(schema: dict[str, Any], task: str, config: str) -> tuple[dict[
     return _read_toml(paths.presets_dir() / f"{config}.toml", f"preset {config}"), f"preset {config}"
 
 
+_LOADING = threading.Lock()
+TRAINER_CONFIG = "training.config"  # the trainer's config module: every config dataclass and its rules
+
+
+def trainer_config_module() -> ModuleType:
+    """The bundled training/config.py, run from its file (standard library only: no torch, nothing of gpuctl)."""
+    name = "gpuctl._trainer_config"
+    with _LOADING:  # a multi-node resume checks each node's config in its own thread: none sees it half made
+        if name not in sys.modules:
+            spec = importlib.util.spec_from_file_location(name, paths.training_dir() / "config.py")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module  # dataclasses look their module up while the class is made
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[name]
+                raise
+        return sys.modules[name]
+
+
+def check_rules(schema: dict[str, Any], task: str, values: dict[str, Any], where: str) -> None:
+    """The trainer's own validate() on these values (the config's, then each --set's), so a value it would
+    refuse in the container is refused here with its message. A task whose config is not one of the bundled
+    module's has only its keys and types checked."""
+    module_name, _, class_name = schema["tasks"][task].get("config", "").rpartition(".")
+    if module_name != TRAINER_CONFIG:
+        return
+    module = trainer_config_module()
+    config = getattr(module, class_name)()
+    known = {field.name for field in dataclasses.fields(config)}
+    try:
+        module._apply({key: value for key, value in values.items() if key in known}, where, config)
+        config.validate()
+    except module.ConfigError as err:
+        raise usage_error(f"{err} (the trainer's check of {where})") from None
+
+
 def check_config(task: str, config: str | None, sets: list[str]) -> None:
     """The launch's config (None: one in the container, a resumed run's staged file) and --set values, checked
-    against the task's keys; a problem is one line, exit 2."""
+    against the task's keys and, where the whole config is on this machine, by the trainer's own rules; a
+    problem is one line, exit 2."""
     schema = load_schema()
     keys = schema["tasks"][task]["keys"]
+    values: dict[str, Any] = {}
     if config is not None:
         values, where = config_values(schema, task, config)
         check_values(keys, values, where)
-    for text in sets:
-        check_values(keys, dict([parse_override(text)]), f"--set {text}")
+    overrides = [parse_override(text) for text in sets]
+    for text, (key, value) in zip(sets, overrides):
+        check_values(keys, {key: value}, f"--set {text}")
+    if config is not None:
+        given = " ".join([where, *(f"--set {text}" for text in sets)])
+        check_rules(schema, task, {**values, **dict(overrides)}, given)
 
 
 def report_to_packages(config: str, sets: list[str]) -> list[str]:
@@ -118,3 +171,21 @@ def report_to_packages(config: str, sets: list[str]) -> list[str]:
     if unknown:
         raise usage_error(f"report_to takes {', '.join(packages)}, got {unknown[0]!r}")
     return list(dict.fromkeys(packages[name] for name in values.get("report_to", [])))
+
+
+# The settings `gpuctl presets` shows of each preset (those it sets): what it trains on, where, how long.
+KEY_SETTINGS = ("random_target", "target_gguf", "target_path", "data_path", "prompts_path", "output_path",
+                "devices", "target_devices", "dtype", "max_steps", "batch_size", "max_length", "max_new_tokens")
+
+
+def preset_listing() -> list[dict[str, Any]]:
+    """Every bundled preset: its name, the task it configures, its one-line summary and its key settings."""
+    schema = load_schema()
+    summaries = schema.get("preset_summaries", {})
+    listing = []
+    for name in schema["presets"]:
+        task = next((t for t, spec in schema["tasks"].items() if name in spec["presets"]), "train")
+        values = _read_toml(paths.presets_dir() / f"{name}.toml", f"preset {name}")
+        listing.append({"name": name, "task": task, "summary": summaries.get(name, ""),
+                        "settings": {key: values[key] for key in KEY_SETTINGS if key in values}})
+    return listing

@@ -1,5 +1,5 @@
 """Where gpuctl keeps things: the XDG state and config dirs, the bundled templates and trainer, and the
-container's layout (DESIGN §3), a few constants that the command line's help names too (so it needs no SSH
+container's layout (ARCHITECTURE §3), a few constants that the command line's help names too (so it needs no SSH
 layer to show them)."""
 
 from __future__ import annotations
@@ -40,9 +40,8 @@ def training_dir() -> Path:
 
 
 def config_schema_file() -> Path:
-    """The trainer's config schema (training/config_schema.json, generated from its config dataclasses);
-    GPUCTL_CONFIG_SCHEMA names another (a trainer of one's own, or the tests' stand-in trainer)."""
-    return Path(os.environ.get("GPUCTL_CONFIG_SCHEMA") or training_dir() / "config_schema.json")
+    """The trainer's config schema (training/config_schema.json, generated from its config dataclasses)."""
+    return training_dir() / "config_schema.json"
 
 
 def presets_dir() -> Path:

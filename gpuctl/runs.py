@@ -19,6 +19,19 @@ from gpuctl.errors import usage_error
 # Linux's numbers, not the workstation's (macOS numbers USR1 differently): the run is on Linux.
 LINUX_SIGNALS = {"HUP": 1, "INT": 2, "QUIT": 3, "KILL": 9, "USR1": 10, "USR2": 12, "TERM": 15}
 RUN_REF = re.compile(r"^(?:tl)?(\d+)$")
+# A run's name (launch --name): a short slug that cannot be read as a run number or an option, and that the
+# container's scripts match in a record's JSON text as it is (no character JSON or a shell pattern escapes).
+RUN_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+RunRef = int | str  # a run number (0: the latest run), or a run's name
+
+
+class PullWhat(str, Enum):
+    """What of a run `gpuctl pull` brings."""
+
+    EXPORT = "export"
+    CHECKPOINT = "checkpoint"
+    METRICS = "metrics"
+    DATA = "data"  # a regenerate run's output file
 
 
 class State(str, Enum):
@@ -29,20 +42,37 @@ class State(str, Enum):
     KILLED = "killed"
     LOST = "lost"  # the process is gone and left no exit record
     RETRYING = "retrying"  # `launch --retry`: an attempt failed; the wrapper waits out the delay before the next
+    QUEUED = "queued"  # `launch --queue`: its wrapper waits in the container for the runs ahead of it to end
 
     @property
     def active(self) -> bool:
-        return self in (State.STARTING, State.RUNNING, State.RETRYING)
+        return self in (State.STARTING, State.RUNNING, State.RETRYING, State.QUEUED)
 
 
-def parse_run_ref(text: str | None) -> int:
-    """`7` or `tl7` -> 7; None -> 0, meaning the latest run."""
+def parse_run_ref(text: str | None, option: str = "--run") -> RunRef:
+    """`7` or `tl7` -> 7; a run's name as it is (the container looks it up: lib.sh's select_run); None -> 0,
+    meaning the latest run."""
     if text is None:
         return 0
     m = RUN_REF.match(text.strip())
-    if not m or int(m[1]) == 0:
-        raise usage_error(f"--run takes a run number like 7 or tl7, got {text!r}")
-    return int(m[1])
+    if m and int(m[1]) > 0:
+        return int(m[1])
+    if not m and RUN_NAME.match(text.strip()):
+        return text.strip()
+    raise usage_error(f"{option} takes a run number like 7 or tl7, or a run's name (launch --name), got {text!r}")
+
+
+def is_run_ref(text: str) -> bool:
+    """Whether text names a run (a number or a name), so `launch --resume TEXT` continues it."""
+    return bool(RUN_REF.match(text) or RUN_NAME.match(text))
+
+
+def check_run_name(name: str) -> str:
+    """launch --name: a slug (a lowercase letter, then up to 31 of a-z, 0-9, '_', '-') that no run id shadows."""
+    if not RUN_NAME.match(name) or RUN_REF.match(name):
+        raise usage_error(f"--name takes a short slug (a lowercase letter, then up to 31 of a-z 0-9 _ -, not tlN), "
+                          f"got {name!r}")
+    return name
 
 
 def parse_signal(name: str) -> str:
@@ -74,12 +104,18 @@ class Progress:
                 "tokens_per_s": self.tokens_per_s, "eta_s": self.eta_s}
 
 
+def remote_json(data: bytes) -> Any:
+    """A JSON document from the container, decoded as UTF-8 with replacement, never strictly: one byte that is not
+    UTF-8 in a record (a log's last line carried into it) shows as U+FFFD instead of failing every command."""
+    return json.loads(data.decode(errors="replace"))
+
+
 def parse_metrics_lines(text: bytes) -> list[dict[str, Any]]:
     """The records of a metrics file (JSON lines); a line being written as it was read is left out."""
     records = []
     for line in text.splitlines():
         try:
-            record = json.loads(line)
+            record = remote_json(line)
         except ValueError:
             continue
         if isinstance(record, dict) and isinstance(record.get("step"), int):
@@ -93,7 +129,7 @@ def parse_progress(first: bytes | None, last: bytes | None, active: bool) -> Pro
     The ETA uses the rate between the two lines, so it holds whether `time` is elapsed or wall-clock seconds.
     """
     try:
-        head, tail = json.loads(first or b"null"), json.loads(last or b"null")
+        head, tail = remote_json(first or b"null"), remote_json(last or b"null")
     except ValueError:
         return None  # a line being written as we read it
     if not isinstance(tail, dict) or not isinstance(tail.get("step"), int):
@@ -123,6 +159,35 @@ class Run:
         return f"tl{self.number}"
 
     @property
+    def name(self) -> str | None:
+        """launch --name's (a --retry attempt carries its launch's)."""
+        return self.record.get("name")
+
+    @property
+    def label(self) -> str:
+        """The run as people name it: tl7, or tl7 (exp1)."""
+        return f"{self.run_id} ({self.name})" if self.name else self.run_id
+
+    @property
+    def sets(self) -> list[str]:
+        """The launch's --set values, as given (a resumed run's: its run's, then its own); [] in an older record."""
+        sets = self.record.get("sets")
+        return [str(item) for item in sets] if isinstance(sets, list) else []
+
+    @property
+    def resumed_from(self) -> int | None:
+        """The run this one continues (launch --resume, or the attempt a --retry attempt follows)."""
+        number = self.record.get("resumed_from")
+        return number if isinstance(number, int) and number > 0 else None
+
+    @property
+    def failure(self) -> str | None:
+        """Why a failed run ended, as its wrapper recorded it: the exit code, the last step logged and the log's
+        last line ("exit 2, no step logged: error: ..."); None for a run that did not fail, or an older record."""
+        failure = self.record.get("failure")
+        return failure if isinstance(failure, str) and self.state == State.FAILED else None
+
+    @property
     def task(self) -> str:
         """What the run does: "train" (a training run), or "setup" (gpuctl setup's installation)."""
         return self.record.get("task") or "train"
@@ -140,11 +205,20 @@ class Run:
         if self.alive:
             if "pid" in self.record:
                 return State.RUNNING
+            if self.never_started:
+                return State.QUEUED
             return State.RETRYING if self.record.get("retry_of") else State.STARTING
         return State.KILLED if self.record.get("killed_signal") else State.LOST
 
     @property
+    def never_started(self) -> bool:
+        """A `launch --queue` run that has not started (still queued, or it left the queue): lib.sh's never_started."""
+        return self.record.get("queued") is True and "started_at" not in self.record
+
+    @property
     def started_at(self) -> float | None:
+        if self.never_started:
+            return None
         return self.record.get("started_at", self.record.get("launched_at"))
 
     @property
@@ -161,19 +235,23 @@ class Run:
     def to_json(self) -> dict[str, Any]:
         return {
             "run_id": self.run_id,
+            "name": self.name,
             "state": self.state.value,
             "exit_code": self.exit_code,
             "pid": self.record.get("pid"),
             "pgid": self.record.get("pgid"),
             "started_at": iso(self.started_at),
+            "queued_at": iso(self.record.get("launched_at")) if self.record.get("queued") else None,
             "ended_at": iso(self.record.get("ended_at")),
             "elapsed_s": self.elapsed_s,
             "log_path": self.log_path,
             "log_size": self.log_size if self.log_size is None or self.log_size >= 0 else None,
             "progress": self.progress.to_json() if self.progress else None,
             "config": self.record.get("config"),
+            "sets": self.sets,
             "killed_signal": self.record.get("killed_signal"),
-            "resumed_from": f"tl{self.record['resumed_from']}" if self.record.get("resumed_from") else None,
+            "failure": self.failure,
+            "resumed_from": f"tl{self.resumed_from}" if self.resumed_from else None,
             "task": self.task,
             "python": self.record.get("python"),
             **self.retry_json(),

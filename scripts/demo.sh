@@ -5,18 +5,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
+source scripts/venv.sh  # the interpreter install.sh installed into, its gpuctl first on PATH
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/gpuctl-demo.XXXXXX")
 standin="$work/standin"
-cleanup() { python3 -m tests.sandbox down --dir "$standin" || true; rm -rf "$work"; }
+cleanup() { "$PYTHON" -m tests.sandbox down --dir "$standin" || true; rm -rf "$work"; }
 trap cleanup EXIT
 # The demo's remembered target stays in its temp dir, not in ~/.local/state.
 export XDG_STATE_HOME="$work/state"
 # Sets GPUCTL_SSH_CONFIG (the stand-in's own ssh_config and known_hosts), GPUCTL_HOST and GPUCTL_CT.
-eval "$(python3 -m tests.sandbox up --dir "$standin")"
+eval "$("$PYTHON" -m tests.sandbox up --dir "$standin")"
 
-if command -v gpuctl >/dev/null 2>&1; then gpuctl=(gpuctl); else gpuctl=(python3 -m gpuctl); fi
 set -x
-"${gpuctl[@]}" launch --config tiny --follow
-"${gpuctl[@]}" status
+gpuctl launch --config tiny --follow
+gpuctl status
 set +x

@@ -3,5 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-python3 -m ruff check gpuctl training tests bench
-python3 -m pytest -q "$@"
+source scripts/venv.sh  # the interpreter install.sh installed into
+"$PYTHON" -m ruff check gpuctl training tests bench
+# Two workers (pytest-xdist), one a core of the 2-core machine CI runs on.
+# loadgroup keeps the tests of a module-scoped fixture in one worker (tests/conftest.py groups them).
+"$PYTHON" -m pytest -q -n 2 --dist loadgroup "$@"

@@ -4,7 +4,8 @@ gpuctl never imports the trainer (ARCHITECTURE §9), yet refuses a typo'd preset
 wrong type before it stages anything: it reads this file, bundled with the trainer. Each task's keys with their
 types, as `training.config._matches` checks them ("int", "float": an int is a valid float, a bool is not an int;
 "bool", "str", {"list": T}, {"union": [T, ...]}) and the message's name of the type; every bundled preset, and
-which task's config each preset is (every key of it a key of that config); and the package each `report_to` name
+which task's config each preset is (every key of it a key of that config), with its one-line summary (the
+preset file's first line, a comment); and the package each `report_to` name
 needs, which `gpuctl setup --config` installs.
 
 Regenerate it after changing a config dataclass or a preset: `python -m training.config_schema`
@@ -19,9 +20,8 @@ import types
 import typing
 from pathlib import Path
 
-from training.config import PRESETS_DIR, TrainConfig, _type_name, tomllib
-from training.regenerate import RegenerateConfig
-from training.reporters import PACKAGES
+from training.config import PRESETS_DIR, RegenerateConfig, TrainConfig, _type_name, tomllib
+from training.output.reporters import PACKAGES
 
 SCHEMA_FILE = Path(__file__).with_name("config_schema.json")
 COMMAND = "python -m training.config_schema"
@@ -47,6 +47,13 @@ def _presets() -> dict[str, set[str]]:
     return {path.stem: set(tomllib.loads(path.read_text())) for path in paths}
 
 
+def summary(path: Path) -> str:
+    """A preset's one-line summary: its first line, a comment (what `gpuctl launch --help` and `gpuctl presets`
+    show); "" for a preset that opens otherwise."""
+    first = (path.read_text().splitlines() or [""])[0]
+    return first.removeprefix("#").strip() if first.startswith("#") else ""
+
+
 def schema() -> dict:
     presets = _presets()
     tasks = {}
@@ -57,8 +64,10 @@ def schema() -> dict:
             "presets": [name for name, keys in presets.items() if keys <= hints.keys()],
             "keys": {key: {"type": type_spec(tp), "name": _type_name(tp)} for key, tp in hints.items()},
         }
-    # gpuctl setup installs what a config's report_to needs (training/reporters.py names the package of each).
-    return {"generated_by": COMMAND, "presets": list(presets), "tasks": tasks, "report_to_packages": PACKAGES}
+    # gpuctl setup installs what a config's report_to needs (training/output/reporters.py names the package of each).
+    summaries = {name: summary(PRESETS_DIR / f"{name}.toml") for name in presets}
+    return {"generated_by": COMMAND, "presets": list(presets), "preset_summaries": summaries, "tasks": tasks,
+            "report_to_packages": PACKAGES}
 
 
 def render() -> str:

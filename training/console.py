@@ -1,5 +1,5 @@
 """The run's human lines: `say` on stdout, `warn` on stderr, each flushed at once (the log is read through a
-file while the run goes on). The machine-readable records are training/metrics.py's."""
+file while the run goes on). The machine-readable records are training/output/metrics.py's."""
 
 import sys
 

@@ -12,13 +12,14 @@ then exit 1. A step whose loss or summed gradient is not finite is skipped (no o
 the data moves on) and counted; `max_bad_steps` of them in a row stop the run: one line naming the step and
 what was not finite, exit 3. A checkpoint that cannot be written (disk full, read-only, over quota) leaves the
 earlier ones intact and stops the run: one line naming its path and the cause, exit 4; with
-on_checkpoint_error=warn a periodic one is a warning instead, and the run goes on. Out of memory in a stage
-stops every thread: one line naming the stage, device, shapes and the keys that lower memory, exit 5. `main`
-alone turns how the run ended into the exit code, one of TrainExit:
+on_checkpoint_error=warn a periodic one is a warning instead, and the run goes on. Out of memory in a role
+(target or drafter; the line says "the target stage", as it always has) stops every thread: one line naming
+it, the device, shapes and the keys that lower memory, exit 5. `main` alone turns how the run ended into the
+exit code, one of TrainExit:
 
     0 done, or stopped by SIGTERM     3 max_bad_steps non-finite steps in a row   130 Ctrl-C, or a 2nd signal
     1 a thread failed (traceback)     4 a checkpoint could not be written
-    2 bad configuration or data       5 out of memory in a stage
+    2 bad configuration or data       5 out of memory in a role
                                       6 another node of a multi-node run was lost (one line naming it)
 With RANK, WORLD_SIZE > 1, MASTER_ADDR and MASTER_PORT set, this process is one node of a multi-node run
 (training/distributed/): node 0 checkpoints, writes the run's metrics and exports; a stop signal on any node
@@ -36,12 +37,12 @@ from enum import IntEnum
 
 import torch
 
-from training.checkpoint import CheckpointWriteError
 from training.config import ConfigError, TrainConfig, load_config
 from training.console import say
-from training.data import Batch, DataError
+from training.data.chat import Batch, DataError
 from training.distributed import NodeLost
 from training.entry import OneLineArgumentParser, end_process, run_entry_point
+from training.output.checkpoint import CheckpointWriteError
 from training.pipeline import PipelineError
 from training.trainer import DrafterReplica, NonFiniteSteps, StopRequest, TargetReplica, train
 
@@ -66,14 +67,14 @@ class TrainExit(IntEnum):
     BAD_INPUT = 2  # a bad configuration or bad data: one line
     NON_FINITE = 3  # max_bad_steps steps in a row with a non-finite loss or gradient: one line (step, what)
     CHECKPOINT_WRITE = 4  # a checkpoint could not be written (disk full, read-only, quota): one line (path, why)
-    OUT_OF_MEMORY = 5  # a stage ran out of device memory: one line (stage, device, shapes, the keys to lower)
+    OUT_OF_MEMORY = 5  # a role ran out of device memory: one line (role, device, shapes, the keys to lower)
     NODE_LOST = 6  # another node of a multi-node run died, hung or could not be reached: one line naming it
     INTERRUPTED = 130  # stopped by Ctrl-C (checkpoint saved), or aborted by a second signal (none)
 
 
 def out_of_memory_line(err: PipelineError, config: TrainConfig) -> str:
-    """Which stage ran out of memory, where, on what shapes, and what lowers it."""
-    stage = err.thread.rstrip("0123456789")  # "target1" -> the target stage
+    """Which role ran out of memory, where, on what shapes, and what lowers it."""
+    role = err.thread.rstrip("0123456789")  # "target1" -> the target role
     batch = err.batch
     if isinstance(batch, Batch):
         rows, length = batch.input_ids.shape
@@ -82,9 +83,9 @@ def out_of_memory_line(err: PipelineError, config: TrainConfig) -> str:
         shapes = "no micro-batch (warm-up, or the step's update, evaluation or checkpoint)"
     tried = re.search(r"Tried to allocate [\d.]+ \w+", str(err.error))  # CUDA's message says how much
     keys = [f"micro_batch_size ({config.micro_batch_rows()})", f"max_length ({config.max_length}, and length_buckets)"]
-    if stage != "target":  # the target's memory does not depend on the drafter's blocks
+    if role != "target":  # the target's memory does not depend on the drafter's blocks
         keys += [f"num_anchors ({config.num_anchors})", f"loss_chunk_size ({config.loss_chunk_size})"]
-    return (f"out of memory in the {stage} stage ({err.thread} on {err.device}) on {shapes}"
+    return (f"out of memory in the {role} stage ({err.thread} on {err.device}) on {shapes}"
             f"{f' ({tried[0]})' if tried else ''}; lower {', '.join(keys[:-1])} or {keys[-1]}")
 
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from gpuctl import __version__
 from gpuctl.errors import ExitCode, GpuctlError
-from gpuctl.runs import RUN_REF
+from gpuctl.runs import is_run_ref
 
 if TYPE_CHECKING:
     from gpuctl.ui.output import Output
@@ -31,8 +31,8 @@ def __getattr__(name: str):
 
 
 def _bare_resume(argv: list[str]) -> list[str]:
-    """Typer has no option with an optional value: `launch --resume` not followed by a run number becomes
-    `--resume=` (the latest run)."""
+    """Typer has no option with an optional value: `launch --resume` not followed by a run number or name
+    becomes `--resume=` (the latest run). (A bare TARGET that reads as a name, `pve`, goes before it.)"""
     if "launch" not in argv:
         return argv
     out = []
@@ -40,40 +40,62 @@ def _bare_resume(argv: list[str]) -> list[str]:
         if arg == "--":
             return out + argv[i:]
         following = argv[i + 1] if i + 1 < len(argv) else None
-        out.append("--resume=" if arg == "--resume" and not (following and RUN_REF.match(following)) else arg)
+        out.append("--resume=" if arg == "--resume" and not (following and is_run_ref(following)) else arg)
     return out
+
+
+def _container_argv(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """`gpuctl shell [OPTIONS] -- CMD ARGS...`: the words after `--` are the container's command, never gpuctl's
+    (TARGET would take the first); None when there is no `--`."""
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    if command != "shell" or "--" not in argv:
+        return argv, None
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]
+
+
+def _help_of(ctx, argv: list[str]) -> str:
+    """The --help that a usage error points to: its command's. Click gives some errors (an option missing its
+    value) no context: the command is then the first argument that names one."""
+    if ctx is not None and ctx.parent is not None:
+        return f"{ctx.command_path} --help"
+    from gpuctl.cli.app import app
+
+    names = {info.name or info.callback.__name__ for info in app.registered_commands}
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    return f"gpuctl {command} --help" if command in names else "gpuctl --help"
 
 
 def run(argv: list[str] | None = None, out: Output | None = None) -> int:
     """Run gpuctl with these arguments, writing through `out` (default: sys.stdout and sys.stderr as they are
     then); return its exit code (tests call this in-process)."""
-    argv = _bare_resume(sys.argv[1:] if argv is None else list(argv))
+    argv, container_argv = _container_argv(_bare_resume(sys.argv[1:] if argv is None else list(argv)))
     if argv == ["--version"]:  # needs nothing of the rest: answered before Typer is imported
         (out.stdout if out else sys.stdout).write(f"gpuctl {__version__}\n")
         return int(ExitCode.OK)
     import typer
 
-    from gpuctl.cli.app import Invocation, app
+    from gpuctl.cli.app import Invocation, click_command
     from gpuctl.ui.output import Output
 
     # Newer Typer releases vendor their own click: take its exceptions from the module Typer's own come from.
     click_exceptions = sys.modules[typer.BadParameter.__module__]
     no_args_is_help = getattr(click_exceptions, "NoArgsIsHelpError", ())
     out = out or Output()
-    invocation = Invocation(out)  # what this invocation's connection costs: its session counts into it
+    invocation = Invocation(out, container_argv)  # what its connection costs: its session counts into it
     try:
-        return int(typer.main.get_command(app).main(args=argv, prog_name="gpuctl", standalone_mode=False,
-                                                    obj=invocation) or 0)
+        command = click_command(help_asked=bool({"-h", "--help"} & set(argv)))
+        return int(command.main(args=argv, prog_name="gpuctl", standalone_mode=False, obj=invocation) or 0)
     except GpuctlError as e:
-        # An interrupt the user asked for (Ctrl-C in logs -f, status --watch) is said, not reported as an error.
-        (out.message if e.code == ExitCode.INTERRUPTED else out.error)(str(e))
+        # An interrupt the user asked for (Ctrl-C in logs -f, status --watch), or nothing left to do (a resume of a
+        # finished run), is said, not reported as an error.
+        (out.message if e.code in (ExitCode.INTERRUPTED, ExitCode.OK) else out.error)(str(e))
         return int(e.code)
     except no_args_is_help as e:
         out.write(e.ctx.get_help() + "\n")
         return int(ExitCode.USAGE)
     except click_exceptions.UsageError as e:
-        where = f"gpuctl {e.ctx.info_name} --help" if e.ctx and e.ctx.parent else "gpuctl --help"
-        out.error(f"{e.format_message()} (see {where})")
+        out.error(f"{e.format_message()} (see {_help_of(e.ctx, argv)})")
         return int(ExitCode.USAGE)
     except (KeyboardInterrupt, typer.Abort):
         out.message("interrupted")

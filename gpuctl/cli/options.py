@@ -10,8 +10,9 @@ from typing import Annotated
 
 import typer
 
-from gpuctl.commands.options import LaunchTask, PullWhat
+from gpuctl.commands.options import LaunchTask
 from gpuctl.paths import DEFAULT_VENV
+from gpuctl.runs import PullWhat
 
 ADDRESS_HELP = "Target options"
 # The target options every command accepts (ARCHITECTURE §2); with_address adds them to each command.
@@ -38,7 +39,8 @@ ADDRESS_PARAMS = [
 ]
 AddressArg = Annotated[str | None, typer.Argument(metavar="TARGET", help="[USER@]HOST[:PORT][/CTID], instead of the options",
                                                     show_default=False)]
-RunOpt = Annotated[str | None, typer.Option("--run", metavar="N", help="run number (7 or tl7); default: the latest")]
+RunOpt = Annotated[str | None, typer.Option("--run", metavar="N|NAME", help="run number (7 or tl7) or name (launch "
+                                            "--name); default: the latest")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON document on stdout, nothing else there")]
 
 
@@ -60,8 +62,14 @@ Workdir = Annotated[str | None, typer.Option(metavar="DIR", help="the run's work
 LogDir = Annotated[str | None, typer.Option(metavar="DIR", help="where train_tlN.log goes in the container "
                                             "[default: /workspace]")]
 KeepCompileCache = Annotated[bool, typer.Option("--keep-compile-cache", help="keep /tmp/torchinductor_root")]
+RunName = Annotated[str | None, typer.Option("--name", metavar="NAME", help="name the run (a short slug, unique in "
+                                             "the container): --run NAME then finds it")]
 Replace = Annotated[bool, typer.Option("--replace", help="kill the active run first instead of refusing")]
-Resume = Annotated[str | None, typer.Option("--resume", metavar="[RUN]", help="continue RUN (default: the latest "
+Queue = Annotated[bool, typer.Option("--queue", help="with a run active, wait in the container's queue instead of "
+                                     "refusing: the run starts, detached, when the runs ahead of it end (first in, "
+                                     "first out; gpuctl kill --run N takes it out)")]
+Resume = Annotated[str | None, typer.Option("--resume", metavar="[RUN]", help="continue RUN, a number or name "
+                                            "(default: the latest "
                                             "run, of --task when given) from its checkpoints: its task, config, sets "
                                             "and directories, the trainer's --resume (a regenerate run: the same "
                                             "command, which skips the records done), a new log")]
@@ -105,6 +113,12 @@ Interval = Annotated[float, typer.Option(metavar="SECONDS", help="seconds betwee
 # plot
 PlotOutput = Annotated[Path, typer.Option("--output", "-o", metavar="FILE.png", help="the image to write (.png, "
                                           ".svg or .pdf)")]
+
+# runs rm, runs prune
+RemoveRefs = Annotated[list[str], typer.Argument(metavar="RUN", show_default=False, help="the runs to remove: "
+                                                 "numbers (7 or tl7) or names")]
+Keep = Annotated[int, typer.Option("--keep", metavar="K", min=0, help="how many finished runs stay: the newest K")]
+RemoveDryRun = Annotated[bool, typer.Option("--dry-run", help="list what would be removed, remove nothing")]
 
 # kill
 Signal = Annotated[str, typer.Option(metavar="NAME", help="first signal: TERM, INT, HUP, QUIT, USR1, USR2 or KILL")]

@@ -21,7 +21,8 @@ from tenacity import RetryError, retry, retry_if_result, stop_after_delay, wait_
 from gpuctl import __version__
 from gpuctl.address import Address
 from gpuctl.commands.kill import KILL_VERIFY_S, KillResult, kill
-from gpuctl.commands.session import Notify, Progress, inspect
+from gpuctl.commands.records import inspect
+from gpuctl.commands.session import Notify, Progress
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
 from gpuctl.paths import INTERPRETER_FILE, RECORDS_DIR, STAGE_DIR
 from gpuctl.remote import scripts
@@ -34,13 +35,11 @@ from gpuctl.remote.protocol import (
     ScriptExit,
     launch_go,
 )
-from gpuctl.remote.ssh import RemoteCommand, env_seconds
+from gpuctl.remote.ssh import RemoteCommand
 from gpuctl.runs import Run, State
 from gpuctl.staging import Package, PackageFile, StagePlan, file_from_bytes, plan_stage
+from gpuctl.timeouts import timeouts
 
-START_TIMEOUT_S = env_seconds("GPUCTL_START_TIMEOUT", 30)
-# How long the container's side of a launch waits for gpuctl's reply while it holds the launch lock.
-LOCK_REPLY_S = env_seconds("GPUCTL_LOCK_REPLY_TIMEOUT", 120)
 LAUNCH_TAIL_LINES = 20
 PackageFor = Callable[[LaunchReply], Package]  # the package to stage, once the container's report is in
 
@@ -56,6 +55,7 @@ class LaunchResult:
     resumed_from: int | None = None
     python: str | None = None  # the interpreter the run uses, as the container resolved it
     python_from: str | None = None  # "option" (--python), "recorded" (gpuctl setup's), "default" (python3)
+    queued_behind: list[int] = field(default_factory=list)  # launch --queue: the runs active when it queued
 
     @property
     def number(self) -> int:
@@ -78,23 +78,24 @@ def _holder() -> str:
 
 def values(address: Address, task: str, fields: dict[str, Any], *, python: str | None,
            use_recorded_python: bool, log_dir: str, workdir: str, keep_compile_cache: bool,
-           replacing: bool, find_address: bool = False, run_home: str = "") -> dict[str, Any]:
+           replacing: bool, find_address: bool = False, run_home: str = "", name: str | None = None) -> dict[str, Any]:
     """launch.sh's values for a detached task: "train" and "regenerate" run the staged run.sh (a training run, a
     data regeneration), "setup" the staged setup.sh (gpuctl setup's installation); each has its own numbered log
     (<task>_tlN.log) and a record that names the task. find_address: the script reports the container's address
     (a multi-node run's node 0, for MASTER_ADDR). run_home: the run whose directory the trainer writes (a resumed
-    run's home, `tlK`); "" = the new run's own number."""
+    run's home, `tlK`); "" = the new run's own number. name: launch --name's, which launch.sh refuses when a run
+    has it."""
     record_fields = {
         "task": task, "host": address.host, "container": address.ct, **fields,
         "launched_by": f"{getpass.getuser()}@{socket.gethostname()}", "gpuctl_version": __version__,
     }
-    reply_timeout = LOCK_REPLY_S + (2 * 30.0 + KILL_VERIFY_S if replacing else 0)
+    reply_timeout = timeouts().lock_reply + (2 * 30.0 + KILL_VERIFY_S if replacing else 0)
     log_stem = f"{task}_tl"
     return {
         "stage_dir": STAGE_DIR, "log_dir": log_dir, "workdir": workdir, "python": python or "",
         "interpreter_file": INTERPRETER_FILE if use_recorded_python else "", "entry": TASK_ENTRIES[task],
         "keep_compile_cache": keep_compile_cache, "holder": _holder(), "reply_timeout": int(reply_timeout),
-        "find_address": find_address, "run_home": run_home,
+        "find_address": find_address, "run_home": run_home, "run_name": name or "",
         "log_stem": log_stem, "log_prefix": json.dumps(f"{log_dir.rstrip('/')}/{log_stem}")[:-1],
         "record_fields": json.dumps(record_fields)[1:-1],
     }
@@ -106,7 +107,8 @@ TASK_ENTRIES = {"train": "run.sh", "regenerate": "run.sh", "setup": "setup.sh"}
 
 def wrapper_file() -> PackageFile:
     """gpuctl-wrapper.sh, which runs a detached task and records how it ended."""
-    return file_from_bytes("gpuctl-wrapper.sh", scripts.render("wrapper.sh", records_dir=RECORDS_DIR).encode(), 0o755)
+    wrapper = scripts.render("wrapper.sh", records_dir=RECORDS_DIR, stage_dir=STAGE_DIR)  # a queued run's switch
+    return file_from_bytes("gpuctl-wrapper.sh", wrapper.encode(), 0o755)
 
 
 def shown(address: Address, values: dict[str, Any]) -> str:
@@ -116,11 +118,17 @@ def shown(address: Address, values: dict[str, Any]) -> str:
     return f"# on {address.host}: {command}   (script on stdin)\n{script}\n"
 
 
-def _active_conflict(ct: Container, active: Run) -> GpuctlError:
-    number, launched_by = active.number, active.record.get("launched_by")
+def _active_conflict(ct: Container, active: list[Run]) -> GpuctlError:
+    """The run at work named (else the first queued one), and the runs queued behind it."""
+    runs = sorted(active, key=lambda run: (run.never_started, run.number))
+    first, queued = runs[0], [run.run_id for run in runs if run.never_started and run is not runs[0]]
+    launched_by = first.record.get("launched_by")
     by = f" (launched by {launched_by})" if launched_by else ""
-    return GpuctlError(f"run tl{number} is active in CT {ct.ctid}{by}: stop it (gpuctl kill --run {number}) "
-                       "or launch with --replace", ExitCode.CONFLICT)
+    what = "queued" if first.never_started else "active"
+    behind = f", {', '.join(queued)} queued behind it" if queued else ""
+    return GpuctlError(f"run {first.label} is {what} in CT {ct.ctid}{by}{behind}: launch with --queue to start after "
+                       f"{'them' if queued else 'it'}, stop it (gpuctl kill --run {first.number}), or launch with "
+                       "--replace", ExitCode.CONFLICT)
 
 
 def _no_python(ct: Container, reply: LaunchReply, task: str) -> GpuctlError:
@@ -135,10 +143,10 @@ def _no_python(ct: Container, reply: LaunchReply, task: str) -> GpuctlError:
 
 
 def start(ct: Container, values: dict[str, Any], package_for: PackageFor, task: str, replace_active: bool,
-          notify: Notify, progress: Progress | None = None) -> LaunchResult:
+          notify: Notify, progress: Progress | None = None, queue: bool = False) -> LaunchResult:
     """launch.sh's conversation: under the container's launch lock, stage package_for(its report) and start the
-    task detached; wait until it runs."""
-    return begin(ct, values, task, notify).finish(package_for, replace_active, notify, progress)
+    task detached; wait until it runs. queue: with a run active, the task waits its turn (launch --queue)."""
+    return begin(ct, values, task, notify).finish(package_for, replace_active, notify, progress, queue=queue)
 
 
 def begin(ct: Container, values: dict[str, Any], task: str, notify: Notify) -> PendingStart:
@@ -157,7 +165,12 @@ def begin(ct: Container, values: dict[str, Any], task: str, notify: Notify) -> P
     report = LaunchReply.parse(head)  # under the lock, before our answer
     if report.recovered is not None:
         notify(f"took over CT {ct.ctid}'s launch lock from a launch that overran its deadline: {report.recovered}")
-    return PendingStart(ct, remote, report)
+    pending = PendingStart(ct, remote, report)
+    if report.name_taken is not None:
+        pending.abort()
+        raise usage_error(f"--name {values['run_name']} is taken in CT {ct.ctid} by tl{report.name_taken}: choose "
+                          "another (gpuctl runs shows the names)")
+    return pending
 
 
 @dataclass
@@ -176,25 +189,35 @@ class PendingStart:
 
     def conflict(self) -> GpuctlError:
         """The error for the container's active run."""
-        return _active_conflict(self.ct, self.report.active[0])
+        return _active_conflict(self.ct, self.report.active)
 
     def finish(self, package_for: PackageFor, replace_active: bool, notify: Notify, progress: Progress | None = None,
-               number: int | None = None, secret: str | None = None) -> LaunchResult:
+               number: int | None = None, secret: str | None = None, queue: bool = False) -> LaunchResult:
         """The second half: (with --replace, the active runs killed) stage package_for(the report), start the task
         as run `number` (None: the next one there), wait until it runs. secret: a multi-node run's node secret,
-        which the container keeps for the run in tlN.secret (launch_go)."""
+        which the container keeps for the run in tlN.secret (launch_go). queue: with runs active, the task is
+        queued behind them instead (its wrapper waits in the container; the result's run is `queued`)."""
         ct, remote, report = self.ct, self.remote, self.report
         replaced = []
-        if report.active:
+        queue = queue and bool(report.active)
+        setup = next((run for run in report.active if run.task == "setup"), None)
+        if queue and setup and report.python_from != "option":
+            # run.sh names the interpreter the container has now, and gpuctl setup records its own at its end.
+            self.abort()
+            raise GpuctlError(f"gpuctl setup ({setup.run_id}) is still making CT {ct.ctid}'s environment, and a "
+                              "queued run's interpreter is chosen now: launch once setup has ended (gpuctl logs -f "
+                              f"--run {setup.number} follows it), or pass --python PATH", ExitCode.CONFLICT)
+        if report.active and not queue:
             if not replace_active:
                 self.abort()
                 raise self.conflict()
-            for active in report.active:
+            # The queued runs first, the last queued first: none of them wakes to find the runs ahead gone.
+            for active in sorted(report.active, key=lambda run: (not run.never_started, -run.number)):
                 notify(f"--replace: killing tl{active.number} first")
                 replaced.append(kill(ct, active.number, "TERM", grace=30.0, notify=notify))
         package = package_for(report)
         plan = plan_stage(package, report.manifest)
-        remote.send(launch_go(plan.changed_bytes, package.manifest(), number, secret))
+        remote.send(launch_go(plan.changed_bytes, package.manifest(), number, secret, queue=queue))
         tracker = progress(plan.changed_bytes) if progress and plan.archive else None
         try:
             sent_file_bytes = remote.send(plan.archive, kind="files", progress=tracker)
@@ -205,12 +228,14 @@ class PendingStart:
         result = ct.finish(remote)
         reply = LaunchReply.parse(result.stdout)
         if result.rc == ScriptExit.ACTIVE:
-            raise _active_conflict(ct, reply.active[0])
+            raise _active_conflict(ct, reply.active)
         if result.rc != 0 or reply.record is None:
             raise ct.failure(result, "launch")
         run, tail = wait_until_started(ct, reply.record["number"])
+        behind = sorted(r.number for r in report.active) if run.record.get("queued") else []
         return LaunchResult(run=run, package=package, plan=plan, sent_file_bytes=sent_file_bytes, tail=tail,
-                            replaced=replaced, python=report.python, python_from=report.python_from)
+                            replaced=replaced, python=report.python, python_from=report.python_from,
+                            queued_behind=behind)
 
 
 def wait_until_started(ct: Container, number: int) -> tuple[Run, bytes]:
@@ -220,7 +245,9 @@ def wait_until_started(ct: Container, number: int) -> tuple[Run, bytes]:
         run = inspection.runs[0]
         return run.state == State.STARTING or (run.state == State.RUNNING and (run.log_size or -1) < 0)
 
-    @retry(stop=stop_after_delay(START_TIMEOUT_S), wait=wait_exponential(multiplier=0.02, max=0.5),
+    start_s = timeouts().start
+
+    @retry(stop=stop_after_delay(start_s), wait=wait_exponential(multiplier=0.02, max=0.5),
            retry=retry_if_result(pending))
     def probe() -> Inspection:
         return inspect(ct, number, tail_lines=LAUNCH_TAIL_LINES)
@@ -228,7 +255,7 @@ def wait_until_started(ct: Container, number: int) -> tuple[Run, bytes]:
     try:
         inspection = probe()
     except RetryError:
-        raise GpuctlError(f"tl{number} did not start within {START_TIMEOUT_S:g} s (see gpuctl logs --run "
+        raise GpuctlError(f"tl{number} did not start within {start_s:g} s (see gpuctl logs --run "
                           f"{number})", ExitCode.RUN_FAILED) from None
     run = inspection.runs[0]
     return run, b"" if run.state.active else inspection.tails.get(number, b"")

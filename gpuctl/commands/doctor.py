@@ -17,7 +17,7 @@ from gpuctl.address import Address
 from gpuctl.commands import detached
 from gpuctl.commands.detached import LaunchResult
 from gpuctl.commands.options import check_python
-from gpuctl.commands.session import BOUND_S, Notify, Progress, connected
+from gpuctl.commands.session import Notify, Progress, connected
 from gpuctl.commands.status import Gpu, parse_gpus
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
 from gpuctl.paths import DEFAULT_VENV, INTERPRETER_FILE, STAGE_DIR
@@ -36,6 +36,7 @@ from gpuctl.requirements import (
     torch_index,
 )
 from gpuctl.staging import Package, PackageFile, build_package, file_from_bytes
+from gpuctl.timeouts import timeouts
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 GIB = 1024**3
@@ -87,7 +88,7 @@ def doctor(address: Address, stats: ssh.Stats | None, python: str | None) -> Doc
     """Connect and check; an unreachable host (exit 3) or a container that is missing or stopped (exit 4) ends
     the checks there, with one line of error."""
     try:
-        with connected(address, stats, BOUND_S) as ct:
+        with connected(address, stats, timeouts().command_bound) as ct:
             return examine(ct, python)
     except GpuctlError as e:
         if e.code != ExitCode.HOST:

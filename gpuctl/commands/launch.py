@@ -23,6 +23,8 @@ from gpuctl.staging import Package, PackageFile, build_package, file_from_bytes
 def launch_values(address: Address, opts: LaunchOptions) -> dict[str, Any]:
     """launch.sh's values for a run of the trainer (or the regeneration), from completed options."""
     fields: dict[str, Any] = {"config": opts.config, "sets": opts.sets, "workdir": opts.workdir}
+    if opts.name:
+        fields.update(name=opts.name)  # a --retry attempt's record carries it over: --run NAME is its latest
     if opts.resume:
         fields.update(resumed_from=opts.resume)
     if opts.retry:
@@ -35,7 +37,7 @@ def launch_values(address: Address, opts: LaunchOptions) -> dict[str, Any]:
                            log_dir=opts.log_dir, workdir=opts.workdir, keep_compile_cache=opts.keep_compile_cache,
                            replacing=opts.replace,
                            find_address=bool(opts.node and opts.node.rank == 0 and not opts.node.master_addr),
-                           run_home=opts.home or "")
+                           run_home=opts.home or "", name=opts.name)
 
 
 def _package(config_file: Path | None, opts: LaunchOptions) -> Package:
@@ -85,7 +87,7 @@ def launch(ct: Container, address: Address, opts: LaunchOptions, notify: Notify,
     changed files' transfer."""
     opts, config_file = completed(resuming(ct, opts))
     result = detached.start(ct, launch_values(address, opts), launch_package(opts, config_file), opts.task.value,
-                            opts.replace, notify, progress)
+                            opts.replace, notify, progress, queue=opts.queue)
     return replace(result, resumed_from=opts.resume)
 
 

@@ -2,26 +2,28 @@
 
 from __future__ import annotations
 
-from gpuctl.commands.session import RECONNECT_S, Notify, Write, inspect, reconnecting
+from gpuctl.commands.records import inspect
+from gpuctl.commands.session import Notify, Write, reconnecting
 from gpuctl.errors import ExitCode
 from gpuctl.remote.container import Container
 from gpuctl.remote.protocol import FollowStart, parse_follow_start
-from gpuctl.remote.ssh import HEARTBEAT_S  # `logs --follow` hears from the container at least this often
 from gpuctl.runs import Run, State
+from gpuctl.timeouts import timeouts
 
 
 def print_log(ct: Container, run_number: int, lines: int | None, write: Write) -> None:
     result = ct.stream("logs", on_stdout=write, run_number=run_number, follow=False, lines=lines, offset=0,
-                       heartbeat_s=HEARTBEAT_S)
+                       heartbeat_s=timeouts().heartbeat)
     if result.rc != 0:
         raise ct.failure(result, "reading the log")
 
 
 def follow_log(ct: Container, run_number: int, lines: int | None, write: Write, offset: int | None = None,
-               notify: Notify = lambda _: None, reconnect_s: float = RECONNECT_S) -> Run:
+               notify: Notify = lambda _: None, reconnect_s: float | None = None) -> Run:
     """Stream the run's log until the run ends; every byte exactly once, across dropped connections (which are
     reconnected, and the stream resumed at the byte offset already written). Returns the ended run."""
     position, number = offset, run_number
+    heartbeat_s = timeouts().heartbeat  # `logs --follow` hears from the container at least this often
 
     def follow_once() -> Run:
         nonlocal position, number
@@ -39,9 +41,9 @@ def follow_log(ct: Container, run_number: int, lines: int | None, write: Write, 
             start = start or parse_follow_start(stderr)
 
         try:
-            result = ct.stream("logs", on_stdout=on_stdout, on_stderr=on_stderr, idle_timeout=4 * HEARTBEAT_S,
+            result = ct.stream("logs", on_stdout=on_stdout, on_stderr=on_stderr, idle_timeout=4 * heartbeat_s,
                                run_number=number, follow=True, lines=lines if position is None else None,
-                               offset=position or 0, heartbeat_s=HEARTBEAT_S)
+                               offset=position or 0, heartbeat_s=heartbeat_s)
         finally:  # what was written counts, even when the connection dropped half-way
             if start:
                 number, position = start.run, start.offset + received

@@ -23,13 +23,15 @@ from gpuctl.commands.kill import kill as kill_run
 from gpuctl.commands.launch import launch_package, launch_values
 from gpuctl.commands.launch import plan_launch as plan_one
 from gpuctl.commands.options import LaunchOptions, LaunchTask, NodeRole, completed
-from gpuctl.commands.resume import resuming
+from gpuctl.commands.remove import Removed
+from gpuctl.commands.remove import remove as remove_one
+from gpuctl.commands.resume import Finished, resuming
 from gpuctl.commands.session import Notify
 from gpuctl.commands.status import StatusReport
 from gpuctl.commands.status import list_runs as list_one
 from gpuctl.commands.status import status as status_one
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
-from gpuctl.runs import Run, State
+from gpuctl.runs import Run, RunRef, State
 
 DEFAULT_MASTER_PORT = 29500
 UNDO_GRACE_S = 10.0  # a launch that failed on one node: how long the runs it started elsewhere get to stop
@@ -64,6 +66,9 @@ def check_cluster_options(addresses: list[Address], opts: LaunchOptions, master_
         check_master_port(master_port)
     if len(addresses) < 2:
         raise usage_error("a multi-node run needs at least two nodes (one container is a plain launch)")
+    if opts.queue:
+        raise usage_error("--queue is for one container: each node's queue would start its part on its own, and the "
+                          "nodes would not meet; launch the run when the nodes are free")
     if opts.retry:
         raise usage_error("--retry is not supported for multi-node runs yet: one node's restart cannot rejoin the "
                           "others (it needs a whole-run restart); launch again with --resume when it fails")
@@ -137,9 +142,14 @@ def _begin_every(nodes: list[Node], opts: LaunchOptions, roles: list[NodeRole],
     """Every node under its launch lock, its report read; or, should any refuse, every lock given back and the
     first refusal raised. Each node's options, its --resume's read in its own thread."""
     checked: list[tuple[LaunchOptions, Path | None]] = [(opts, None)] * len(nodes)
+    finished: list[Finished] = []  # the nodes whose resumed run did all its steps
 
     def begin(node: Node) -> PendingStart:
-        checked[node.index] = completed(resuming(node.ct, opts))
+        try:
+            checked[node.index] = completed(resuming(node.ct, opts))
+        except Finished as done:  # said only once every node's run is found finished (below)
+            finished.append(done)
+            checked[node.index] = completed(done.opts)
         given = checked[node.index][0]
         node_opts = replace(given, node=replace(roles[node.index], master_addr=given.master_addr,
                                                  master_port=given.master_port or DEFAULT_MASTER_PORT))
@@ -153,6 +163,9 @@ def _begin_every(nodes: list[Node], opts: LaunchOptions, roles: list[NodeRole],
     if problem is None and len(resumed) > 1:
         runs = ", ".join(f"node {k} tl{node_opts.resume}" for k, (node_opts, _) in enumerate(checked))
         problem = usage_error(f"--resume: the nodes' latest runs differ ({runs}): pass --resume N")
+    if problem is None and len(finished) == len(nodes):  # the run did all its steps on every node: nothing to do
+        on_each(pending, PendingStart.abort)
+        raise finished[0]
     if problem is None and not opts.replace:
         busy = [(node, p) for node, p in zip(nodes, pending) if p.report.active]
         problem = busy[0][0].failed(busy[0][1].conflict()) if busy else None
@@ -278,7 +291,11 @@ def combined_state(nodes: list[tuple[Node, Run | None, str | None]],
 @dataclass
 class ClusterStatus:
     nodes: list[NodeStatus]
-    number: int
+    number: RunRef  # a name only when no node has the run
+
+    @property
+    def run_id(self) -> str:
+        return f"tl{self.number}" if isinstance(self.number, int) else self.number
 
     def verdict(self) -> Verdict:
         return verdict([(n.node, n.run, n.problem()) for n in self.nodes],
@@ -300,7 +317,7 @@ class ClusterStatus:
                                                                          "progress", "container"))
         doc.setdefault("gpus", [])
         found = self.verdict()  # the state, why, and the exit code: one choice of node
-        doc.update(run_id=f"tl{self.number}", state=found.state.value if found.state else None,
+        doc.update(run_id=self.run_id, state=found.state.value if found.state else None,
                    exit_code=found.exit_code([n.run for n in self.nodes]), reason=found.reason,
                    nodes=[n.to_json() for n in self.nodes])
         return doc
@@ -315,9 +332,10 @@ class ClusterStatus:
         return None
 
 
-def status(nodes: list[Node], number: int) -> ClusterStatus:
+def status(nodes: list[Node], number: RunRef) -> ClusterStatus:
     outcomes = settled(on_nodes(nodes, lambda node: status_one(node.ct, number, last_line=True)))
-    return ClusterStatus([NodeStatus(o.node, o.value, o.error) for o in outcomes], number)
+    found = [o.value.run.number for o in outcomes if o.value and o.value.run]  # a name's number
+    return ClusterStatus([NodeStatus(o.node, o.value, o.error) for o in outcomes], found[0] if found else number)
 
 
 # kill and runs --------------------------------------------------------------------------------------------
@@ -374,6 +392,33 @@ def list_runs(nodes: list[Node]) -> ClusterRuns:
     numbers = sorted({n for runs in by_node.values() for n in runs})
     return ClusterRuns([ClusterRun(n, [(node, by_node.get(node.index, {}).get(n)) for node in nodes])
                         for n in numbers], errors)
+
+
+# runs rm, runs prune ------------------------------------------------------------------------------------------
+
+@dataclass
+class NodesRemoved:
+    """runs rm / runs prune over the nodes: what each node removed, and the nodes that could not do it."""
+
+    results: list[tuple[Node, Removed]]
+    errors: list[GpuctlError]
+    dry_run: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dry_run": self.dry_run, "nodes": [dict(removed.to_json(), node=node.index,
+                                                        target=node.address.spec()) for node, removed in self.results]}
+
+
+def remove(nodes: list[Node], refs: list[RunRef], keep: int | None, dry_run: bool) -> NodesRemoved:
+    """runs rm on every node, all or nothing: every node's removal is planned first (as --dry-run), and a run
+    active, or unknown, on any node removes nothing anywhere. runs prune: each node its own finished runs."""
+    if keep is None and not dry_run:
+        problem = first_problem(settled(on_nodes(nodes, lambda node: remove_one(node.ct, refs, None, True))))
+        if isinstance(problem, GpuctlError):
+            raise GpuctlError(f"{problem}; nothing was removed on any node", problem.code)
+    outcomes = settled(on_nodes(nodes, lambda node: remove_one(node.ct, refs, keep, dry_run)))
+    return NodesRemoved([(o.node, o.value) for o in outcomes if o.value],
+                        [o.problem() for o in outcomes if o.error], dry_run)
 
 
 def plan_launch(addresses: list[Address], opts: LaunchOptions, master_addr: str | None,

@@ -1,5 +1,5 @@
 """A launch's options: what the command line may ask for, checked once, and a multi-node run's part of them
-(NodeRole); what a pull may bring (PullWhat). No connection here, nothing heavy imported: the command line's
+(NodeRole). No connection here, nothing heavy imported: the command line's
 help is built from these.
 """
 
@@ -14,6 +14,7 @@ from typing import Any
 from gpuctl.config_schema import check_config
 from gpuctl.errors import usage_error
 from gpuctl.paths import STAGE_DIR
+from gpuctl.runs import RunRef, check_run_name
 
 # The interpreter is not among them: without --python, the container's side takes the one `gpuctl setup`
 # recorded (INTERPRETER_FILE), else python3 (lib.sh's resolve_python).
@@ -25,13 +26,6 @@ class LaunchTask(str, Enum):
 
     TRAIN = "train"  # python -m training.train
     REGENERATE = "regenerate"  # python -m training.regenerate
-
-
-class PullWhat(str, Enum):
-    EXPORT = "export"
-    CHECKPOINT = "checkpoint"
-    METRICS = "metrics"
-    DATA = "data"  # a regenerate run's output file
 
 
 TASK_MODULES = {LaunchTask.TRAIN: "training.train", LaunchTask.REGENERATE: "training.regenerate"}
@@ -47,7 +41,9 @@ class LaunchOptions:
     log_dir: str | None = None
     keep_compile_cache: bool = False
     replace: bool = False
-    resume: int | None = None  # a run number to continue (0: the latest run)
+    queue: bool = False  # with a run active, wait in the container's queue (its wrapper waits there) instead of exit 5
+    name: str | None = None  # launch --name: unique among the container's runs (launch.sh checks, under its lock)
+    resume: RunRef | None = None  # a run number or name to continue (0: the latest run); once read, its number
     retry: int = 0  # restart a failed run with --resume up to this many times (the wrapper does, in the container)
     retry_delay: float = 10.0  # seconds before a retry; doubled for each attempt in a row that failed before a step
     task: LaunchTask | None = None  # None: the resumed run's task, else train
@@ -102,16 +98,20 @@ def check_launch_options(opts: LaunchOptions) -> LaunchOptions:
     for item in opts.sets:
         key, eq, _ = item.partition("=")
         if not eq or not key.strip():
-            raise usage_error(f"--set takes KEY=VALUE, got {item!r}")
+            raise usage_error(f"--set takes KEY=VALUE, got {item!r} (see gpuctl launch --help)")
         if "\n" in item or "\0" in item:
             raise usage_error(f"--set value must not contain NUL or newline characters: {item!r}")
     check_env(opts.env)
+    if opts.queue and opts.replace:
+        raise usage_error("--queue waits for the active run, --replace kills it: choose one")
     if opts.retry < 0 or not 0 <= opts.retry_delay <= 86400:
         raise usage_error("--retry takes a count >= 0, --retry-delay seconds between 0 and 86400")
     if opts.config == "" or opts.python == "":
         raise usage_error("--config and --python must not be empty")
     if opts.python is not None:
         check_python(opts.python)
+    if opts.name is not None:
+        check_run_name(opts.name)
     if opts.resume is None:  # a resumed run's config and sets are checked once its record is read (resume.py)
         check_trainer_config(opts)
     return replace(opts, workdir=opts.workdir and _remote_dir(opts.workdir, "--workdir"),

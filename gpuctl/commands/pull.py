@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from gpuctl.commands.options import PullWhat
 from gpuctl.commands.session import Notify, Tracker
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
 from gpuctl.paths import STAGE_DIR
@@ -23,7 +22,7 @@ from gpuctl.remote.protocol import (
     stderr_messages,
 )
 from gpuctl.remote.ssh import ConnectionLost, RemoteCommand
-from gpuctl.runs import Run
+from gpuctl.runs import PullWhat, Run
 
 # How long pull.sh waits for gpuctl's request: gpuctl first hashes what it has of the files (GBs, maybe).
 PULL_REQUEST_S = 600.0
@@ -50,11 +49,13 @@ class PullResult:
 
 def _pull_ended_early(ct: Container, remote: RemoteCommand, said: bytes, what: str) -> GpuctlError:
     result = ct.finish(remote)  # pct's errors and an unknown run (exit 2) raise here
+    reply = PullReply.parse(said + result.stdout)
     if result.rc == ScriptExit.NOTHING:
         lines = stderr_messages(result.stderr)
-        return GpuctlError(f"nothing to pull: {lines[-1] if lines else 'no such file'} (CT {ct.ctid})",
+        failed = reply.run.failure if reply.run else None  # why the run ended, when it failed
+        why = f" ({reply.run.run_id}: {failed})" if failed else ""
+        return GpuctlError(f"nothing to pull: {lines[-1] if lines else 'no such file'}{why} (CT {ct.ctid})",
                            ExitCode.RUN_FAILED)
-    reply = PullReply.parse(said + result.stdout)
     if reply.export_from:
         return ct.failure(result, f"making the export of {PurePosixPath(reply.export_from).name}")
     return ct.failure(result, what)

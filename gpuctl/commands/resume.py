@@ -9,23 +9,51 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from gpuctl.commands.options import LaunchOptions, LaunchTask, check_trainer_config
-from gpuctl.commands.session import inspect
-from gpuctl.errors import usage_error
+from gpuctl.commands.records import inspect
+from gpuctl.config_schema import parse_override
+from gpuctl.errors import ExitCode, GpuctlError, usage_error
 from gpuctl.remote.container import Container
-from gpuctl.runs import Run
+from gpuctl.runs import Run, State
 
 RUN_HOME = re.compile(r"^tl[1-9][0-9]*$")
 
 
 def resuming(ct: Container, opts: LaunchOptions) -> LaunchOptions:
     """With --resume, the options of the run it continues (its number in opts.resume; 0 asked for the latest);
-    without, opts as they are."""
+    without, opts as they are. A run that did all its steps raises Finished (which carries those options)."""
     if opts.resume is None:
         return opts
     resumed = _resumable(ct, opts.resume, opts.task)
     opts = resume_options(replace(opts, resume=resumed.number), resumed.record)
     check_trainer_config(opts)  # the run's own config and sets, with the command line's, before anything is sent
+    _check_unfinished(resumed, opts)
     return opts
+
+
+class Finished(GpuctlError):
+    """`launch --resume` of a training run that did all its steps, with max_steps not raised above them: nothing
+    to do, so nothing is staged and no run number is used (exit 0: what was asked for is done)."""
+
+    def __init__(self, run: Run, step: int, opts: LaunchOptions):
+        self.run, self.step, self.opts = run, step, opts  # opts: the resume's, as if it went on
+        super().__init__(f"{run.label} finished: {step} of {step} steps done; nothing to resume, nothing sent "
+                         f"(--set max_steps=M with M above {step} trains it on)", ExitCode.OK)
+
+
+def _check_unfinished(run: Run, opts: LaunchOptions) -> None:
+    """Raise Finished when the run succeeded at its last step and the resume's max_steps (its --set values, the
+    command line's last) is not above it. A run whose metrics do not say (none, or no total) resumes as asked."""
+    progress = run.progress
+    if (run.state != State.SUCCEEDED or opts.task != LaunchTask.TRAIN or progress is None
+            or progress.total_steps is None or progress.step < progress.total_steps):
+        return
+    max_steps = progress.total_steps
+    for text in opts.sets:
+        key, value = parse_override(text)
+        if key == "max_steps" and isinstance(value, int):
+            max_steps = value
+    if max_steps <= progress.step:
+        raise Finished(run, progress.step, opts)
 
 
 def _resumable(ct: Container, number: int, task: LaunchTask | None) -> Run:

@@ -20,12 +20,14 @@ from gpuctl.commands.options import LaunchOptions, check_launch_options
 from gpuctl.commands.session import Notify, Progress, connected, reconnecting
 from gpuctl.commands.status import ContainerRuns, StatusReport, list_runs, status
 from gpuctl.errors import usage_error
+from gpuctl.runs import RunRef
 
 if TYPE_CHECKING:
     from gpuctl.commands import nodes as multi
     from gpuctl.commands.detached import LaunchResult
     from gpuctl.commands.fanout import Node
     from gpuctl.commands.kill import Killed
+    from gpuctl.commands.remove import Removed
     from gpuctl.remote import ssh
     from gpuctl.remote.container import Container
 
@@ -79,6 +81,12 @@ class One:
 
         return Killed([("", kill(self.ct, number, signal_name, grace, notify=notify))])
 
+    def remove(self, refs: list[RunRef], keep: int | None, dry_run: bool) -> Removed:
+        """runs rm (refs) or runs prune (keep)."""
+        from gpuctl.commands.remove import remove
+
+        return remove(self.ct, refs, keep, dry_run)
+
     def log_source(self, node: int | None, number: int) -> tuple[Address, int]:
         """The address and run number whose log `logs` reads (--node K is for a multi-node run)."""
         if node:
@@ -87,7 +95,7 @@ class One:
 
 
 @dataclass
-class Nodes:
+class NodeSet:
     """The nodes of a multi-node run, node 0 first: `launch --node`/`--cluster`'s, or the last launch's (with its
     run number, which `run` is then)."""
 
@@ -111,7 +119,7 @@ class Nodes:
 
     @contextmanager
     def connected(self, stats: ssh.Stats | None, bound_s: float | None = None,
-                  meanwhile: Callable[[], object] | None = None) -> Iterator[Nodes]:
+                  meanwhile: Callable[[], object] | None = None) -> Iterator[NodeSet]:
         from gpuctl.commands.fanout import connected as connected_nodes
 
         with connected_nodes(self.addresses, stats, bound_s, meanwhile) as self.nodes:
@@ -144,13 +152,18 @@ class Nodes:
 
         return multi.kill(self.nodes, number or self.run, signal_name, grace, notify=notify)
 
+    def remove(self, refs: list[RunRef], keep: int | None, dry_run: bool) -> multi.NodesRemoved:
+        from gpuctl.commands import nodes as multi
+
+        return multi.remove(self.nodes, refs, keep, dry_run)
+
     def log_source(self, node: int | None, number: int) -> tuple[Address, int]:
         if (node or 0) >= len(self.addresses):
             raise usage_error(f"--node {node}: the run has nodes 0 to {len(self.addresses) - 1}")
         return self.addresses[node or 0], number or self.run
 
 
-Scope = One | Nodes
+Scope = One | NodeSet
 
 
 def kept(remembering: Callable[[], None], warn: Notify) -> None:
@@ -166,7 +179,7 @@ def resolve(flags: AddressFlags) -> Scope:
     """The last launch's nodes, when it was a multi-node run and no host, container or profile is asked for;
     else the one address."""
     remembered = remembered_nodes(flags)
-    return Nodes(*remembered) if remembered else One(resolve_address(flags))
+    return NodeSet(*remembered) if remembered else One(resolve_address(flags))
 
 
 def resolve_launch(flags: AddressFlags, node: list[str] | None, cluster: str | None, resume: int | None,
@@ -174,13 +187,13 @@ def resolve_launch(flags: AddressFlags, node: list[str] | None, cluster: str | N
     """A launch's scope (--node/--cluster, else as `resolve`, one --node being one container) and the run it
     resumes (a bare --resume after a multi-node run: that run)."""
     if node or cluster:
-        scope: Scope = Nodes(resolve_nodes(flags, node, cluster))
+        scope: Scope = NodeSet(resolve_nodes(flags, node, cluster))
     else:
         scope = resolve(flags)
-        if isinstance(scope, Nodes) and resume == 0:
+        if isinstance(scope, NodeSet) and resume == 0:
             resume = scope.run
-    if isinstance(scope, Nodes) and len(scope.addresses) > 1:
-        return Nodes(scope.addresses, scope.run, master_addr, master_port), resume
+    if isinstance(scope, NodeSet) and len(scope.addresses) > 1:
+        return NodeSet(scope.addresses, scope.run, master_addr, master_port), resume
     if master_addr is not None or master_port is not None:
         raise usage_error("--master-addr and --master-port are for a multi-node run (two --node or more)")
-    return (One(scope.addresses[0]) if isinstance(scope, Nodes) else scope), resume
+    return (One(scope.addresses[0]) if isinstance(scope, NodeSet) else scope), resume

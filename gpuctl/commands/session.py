@@ -1,5 +1,5 @@
-"""One container's connection for a whole invocation, what survives its drop, and the run records read through
-it. Below every command: no Typer, no Rich.
+"""One container's connection for a whole invocation, and what survives its drop. Below every command: no
+Typer, no Rich. (The run records read through it: gpuctl/commands/records.py.)
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from gpuctl.address import Address
 from gpuctl.errors import ExitCode, GpuctlError
 from gpuctl.remote import ssh
 from gpuctl.remote.container import Container
-from gpuctl.remote.protocol import Inspection
 from gpuctl.remote.ssh import ConnectionLost
+from gpuctl.timeouts import timeouts
 
 Notify = Callable[[str], None]
 Write = Callable[[bytes], None]
@@ -33,9 +33,6 @@ class Tracker(Protocol):
 Progress = Callable[[int], Tracker]  # progress(total bytes): the tracker of one transfer
 
 
-RECONNECT_S = ssh.env_seconds("GPUCTL_RECONNECT_TIMEOUT", 60)  # a follower's time to get a lost connection back
-# status, runs, kill (plus its grace) and doctor: each remote command they make ends within this, or exit 3.
-BOUND_S = ssh.env_seconds("GPUCTL_COMMAND_BOUND", 120)
 
 
 @contextmanager
@@ -75,8 +72,10 @@ def connected(address: Address, stats: ssh.Stats | None = None, bound_s: float |
         ct.session.close()
 
 
-def reconnecting(ct: Container, action: Callable[[], T], notify: Notify, within_s: float = RECONNECT_S) -> T:
-    """Run action; when the connection drops, reconnect (with backoff, for up to within_s) and run it again."""
+def reconnecting(ct: Container, action: Callable[[], T], notify: Notify, within_s: float | None = None) -> T:
+    """Run action; when the connection drops, reconnect (with backoff, for up to within_s: by default the
+    [timeouts] reconnect) and run it again."""
+    within_s = timeouts().reconnect if within_s is None else within_s
     while True:
         try:
             return action()
@@ -88,10 +87,3 @@ def reconnecting(ct: Container, action: Callable[[], T], notify: Notify, within_
                 raise GpuctlError(f"{lost}, and no new connection within {within_s:g} s ({e})",
                                   ExitCode.HOST) from None
             notify(f"reconnected to {ct.session.endpoint.describe()}")
-
-
-def inspect(ct: Container, run_number: int = 0, *, all_runs: bool = False, gpus: bool = False,
-            tail_lines: int = 0, rest_from: int | None = None, history: int = 0) -> Inspection:
-    """The run records (and what else is asked for) as inspect.sh reports them."""
-    return ct.call("inspect", Inspection, "reading the run records", run_number=run_number, all_runs=all_runs,
-                   gpus=gpus, tail_lines=tail_lines, rest_from=rest_from, history=history)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuctl.commands.session import inspect
+from gpuctl.commands.records import inspect
 from gpuctl.errors import ExitCode, GpuctlError
 from gpuctl.remote import scripts
 from gpuctl.remote.container import Container, ContainerNotRunning
@@ -52,14 +52,18 @@ class StatusReport:
     losses: list[float] = field(default_factory=list)  # a sample of the run's losses, oldest first
     last_line: str | None = None  # the log's last line (asked for: a multi-node run's node)
     gpus_error: str | None = None  # why there is no GPU table: nvidia-smi did not answer in time
+    ct_origin: str = ""  # where the container's number came from, when the remembered target gave it
+    queue: list[int] = field(default_factory=list)  # launch --queue's runs waiting their turn, in order
 
     def to_json(self) -> dict:
-        keys = ("run_id", "state", "exit_code", "pid", "pgid", "started_at", "ended_at", "elapsed_s", "log_path",
-                "log_size", "progress", "config", "killed_signal", "resumed_from", "task", "python", "attempt",
-                "attempts_left", "retry_of", "attempts", "last_failure", "retried_as", "retry_stopped")
+        keys = ("run_id", "name", "state", "exit_code", "pid", "pgid", "started_at", "queued_at", "ended_at",
+                "elapsed_s", "log_path", "log_size", "progress", "config", "sets", "killed_signal", "failure",
+                "resumed_from", "task", "python",
+                "attempt", "attempts_left", "retry_of", "attempts", "last_failure", "retried_as", "retry_stopped")
         doc = self.run.to_json() if self.run else dict.fromkeys(keys)
         doc["gpus"] = [g.to_json() for g in self.gpus]
         doc["gpus_error"] = self.gpus_error
+        doc["queue"] = [f"tl{n}" for n in self.queue]
         doc["container"] = {"ctid": self.ctid, "status": self.container_status, "host": self.host}
         return doc
 
@@ -67,8 +71,8 @@ class StatusReport:
         """The container not running, as the error gpuctl status exits with (after showing that)."""
         if self.container_status == "running":
             return None
-        return GpuctlError(f"container {self.ctid} on {self.host} is not running ({self.container_status}; start "
-                           f"it: pct start {self.ctid})", ExitCode.CONTAINER)
+        return GpuctlError(f"container {self.ctid}{self.ct_origin} on {self.host} is not running "
+                           f"({self.container_status}; start it: pct start {self.ctid})", ExitCode.CONTAINER)
 
 
 def prepare_status() -> None:
@@ -78,9 +82,11 @@ def prepare_status() -> None:
 
 def status(ct: Container, run_number: int = 0, last_line: bool = False) -> StatusReport:
     try:
-        inspection = inspect(ct, run_number, gpus=True, history=LOSS_HISTORY_POINTS, tail_lines=int(last_line))
+        inspection = inspect(ct, run_number, gpus=True, history=LOSS_HISTORY_POINTS, tail_lines=int(last_line),
+                             queue=True)
     except ContainerNotRunning:
-        return StatusReport(ctid=ct.ctid, host=ct.host, container_status="stopped", run=None, gpus=[])
+        return StatusReport(ctid=ct.ctid, host=ct.host, container_status="stopped", run=None, gpus=[],
+                            ct_origin=ct.address.remembered("ct"))
     run = inspection.runs[0] if inspection.runs else None
     history = parse_metrics_lines(inspection.histories.get(run.number, b"")) if run else []
     by_step = {r["step"]: r["loss"] for r in history if isinstance(r.get("loss"), (int, float))}  # last line twice
@@ -89,7 +95,7 @@ def status(ct: Container, run_number: int = 0, last_line: bool = False) -> Statu
     line = shown_line(tail.decode(errors="replace").strip(), cut=len(tail) >= TAIL_BYTES)
     return StatusReport(ctid=ct.ctid, host=ct.host, container_status="running", run=run,
                         gpus=parse_gpus(inspection.gpus_csv), losses=losses, last_line=line or None,
-                        gpus_error=inspection.gpus_error)
+                        gpus_error=inspection.gpus_error, queue=inspection.queue)
 
 
 def shown_line(tail: str, cut: bool) -> str:

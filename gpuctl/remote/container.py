@@ -15,12 +15,10 @@ from gpuctl.paths import RECORDS_DIR
 from gpuctl.remote import scripts, ssh
 from gpuctl.remote.protocol import ScriptExit, stderr_messages
 from gpuctl.remote.ssh import Completed, ConnectionLost, RemoteCommand, Session, Unreachable
+from gpuctl.timeouts import timeouts
 
-PROBE_S = ssh.env_seconds("GPUCTL_PROBE_TIMEOUT", 10)  # a container-side probe (nvidia-smi, du) answers within it
 PCT_MISSING = re.compile(r"Configuration file '\S+/lxc/(\d+)\.conf' does not exist")
 PCT_NOT_RUNNING = re.compile(r"container '(\d+)' not running")
-# The key was accepted but the account may not log in: its shell (nologin) says so and ends, running nothing.
-LOGIN_REFUSED = re.compile(r"This account is currently not available")
 
 
 class Reply(Protocol):
@@ -51,12 +49,22 @@ class Container:
     def host(self) -> str:
         return self.address.host
 
-    def command(self) -> str:
-        return scripts.render("pct_exec", ctid=self.ctid).strip()
+    def command(self, argv: list[str] | None = None) -> str:
+        """The host's `pct exec` command: bash reading a script on stdin, or argv (run as it is in the container)."""
+        if argv is None:
+            return scripts.render("pct_exec", ctid=self.ctid).strip()
+        return scripts.render("pct_exec", ctid=self.ctid, argv=argv).strip()
+
+    def check(self) -> None:
+        """The container exists and runs: pct's errors raise as for every script (gpuctl shell asks first, since on
+        a terminal what pct says would reach the user as the shell's output)."""
+        result = self._checked(self.session.run(self.command(), b"exit 0\n"))
+        if result.rc != 0:
+            raise self.failure(result, "pct exec")
 
     def script(self, template: str, **values: Any) -> str:
-        return scripts.render(f"{template}.sh", records_dir=RECORDS_DIR, alive_s=f"{ssh.HEARTBEAT_S:g}", probe_s=f"{PROBE_S:g}",
-                              **values)
+        return scripts.render(f"{template}.sh", records_dir=RECORDS_DIR, alive_s=f"{timeouts().heartbeat:g}",
+                              probe_s=f"{timeouts().probe:g}", **values)
 
     def run(self, template: str, **values: Any) -> Completed:
         """Run templates/TEMPLATE.sh.j2 in the container and collect its output."""
@@ -106,18 +114,21 @@ class Container:
         if result.rc == 0:
             return result
         err = result.stderr.decode(errors="replace")
-        said = result.stdout.decode(errors="replace") + "\n" + err
-        if LOGIN_REFUSED.search(said) and not result.stdout.startswith(b"@@"):
-            reason = "; ".join(line.strip() for line in said.splitlines() if line.strip())
-            raise ssh.host_error(f"{self.session.endpoint.describe()} refused the login: {reason}")
         if PCT_MISSING.search(err):
-            raise GpuctlError(f"container {self.ctid} does not exist on {self.host} ({err.strip()}): pass the "
-                              "right --ct (pct list on the host shows its containers)", ExitCode.CONTAINER)
+            raise GpuctlError(f"container {self.ctid}{self.address.origin('ct')} does not exist on {self.host} "
+                              f"({err.strip()}): pass the right --ct (pct list on the host shows its containers)",
+                              ExitCode.CONTAINER)
         if PCT_NOT_RUNNING.search(err):
-            raise ContainerNotRunning(f"container {self.ctid} on {self.host} is not running (start it: pct start "
-                                      f"{self.ctid})")
+            raise ContainerNotRunning(f"container {self.ctid}{self.address.remembered('ct')} on {self.host} is not "
+                                      f"running (start it: pct start {self.ctid})")
         if result.rc == 127 and "pct" in err:
-            raise GpuctlError(f"{self.host} has no `pct` command: is it a Proxmox VE host?", ExitCode.HOST)
+            raise GpuctlError(f"{self.host}: pct failed: the host has no `pct` command (is it a Proxmox VE host?)",
+                              ExitCode.HOST)
+        if not result.started:  # the script never ran: pct (or the host's shell) failed before it
+            lines = stderr_messages(result.stderr)
+            said = f": {lines[-1]}" if lines else " without a word"
+            raise GpuctlError(f"{self.host}: pct failed: `pct exec {self.ctid}` ended with exit {result.rc} before "
+                              f"running gpuctl's script{said}", ExitCode.HOST)
         if result.rc == ScriptExit.NO_RUN:
             raise usage_error(f"{err.strip()} (CT {self.ctid})")
         return result

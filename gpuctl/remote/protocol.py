@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, NamedTuple
 
-from gpuctl.runs import Run, parse_metrics_lines, parse_progress
+from gpuctl.runs import Run, parse_metrics_lines, parse_progress, remote_json
 from gpuctl.staging import parse_manifest
 
 
@@ -44,7 +44,7 @@ def parse_sections(data: bytes) -> list[tuple[str, bytes]]:
         if start < 0:
             return sections
         header_end = data.index(b"\n", start)
-        name, length = data[start + 2:header_end].decode().split(" ")
+        name, length = data[start + 2:header_end].decode(errors="replace").split(" ")
         value_start = header_end + 1
         sections.append((name, data[value_start:value_start + int(length)]))
         pos = value_start + int(length) + 1
@@ -66,15 +66,19 @@ LAUNCH_WAITING = section("waiting", b"")
 LAUNCH_ABORT = b"abort\n"
 
 
-def launch_go(archive_bytes: int, manifest: bytes, number: int | None = None, secret: str | None = None) -> bytes:
+def launch_go(archive_bytes: int, manifest: bytes, number: int | None = None, secret: str | None = None,
+              queue: bool = False) -> bytes:
     """`go BYTES [NUMBER [SECRET]]`, the new package's manifest, an empty line: the archive's BYTES follow.
     NUMBER: the run number to take (a multi-node run's, the same on every node); without it the script picks the
     next one. SECRET: a multi-node run's node secret (hex), which the script writes to tlN.secret (0600) for the
-    trainer: on stdin, so it is on no command line and in no script text."""
+    trainer: on stdin, so it is on no command line and in no script text. queue: `queue BYTES` (launch --queue
+    with a run active): the run waits its turn in the container."""
     if secret is not None and (number is None or not re.fullmatch(r"[0-9a-f]{32,}", secret)):
         raise ValueError("a node secret is hex, at least 32 digits, and goes with a run number")
+    if queue and number is not None:
+        raise ValueError("a queued run takes the next number there")
     fields = "".join(f" {value}" for value in (number, secret) if value is not None)
-    return f"go {archive_bytes}{fields}\n".encode() + manifest + b"\n"
+    return f"{'queue' if queue else 'go'} {archive_bytes}{fields}\n".encode() + manifest + b"\n"
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,7 @@ class LaunchReply:
     record: dict[str, Any] | None = None  # the record of the run it started
     last_number: int | None = None  # the largest run number the container has (under the lock)
     address: str | None = None  # the container's first address (asked for: a multi-node run's node 0); "" none
+    name_taken: int | None = None  # the run that already has launch --name's name
 
     @classmethod
     def parse(cls, data: bytes) -> LaunchReply:
@@ -99,14 +104,14 @@ class LaunchReply:
             if name == "active":
                 numbers.append(int(value))
             elif name == "active_record":
-                records.append(json.loads(value or b"{}"))
+                records.append(remote_json(value or b"{}"))
             elif name in ("holder", "recovered", "python", "python_from", "address"):
                 found[name] = value.decode(errors="replace")
             elif name == "manifest":
                 found[name] = parse_manifest(value)
             elif name == "record":
-                found[name] = json.loads(value)
-            elif name == "last_number":
+                found[name] = remote_json(value)
+            elif name in ("last_number", "name_taken"):
                 found[name] = int(value)
         active = [Run(number=n, record=record, alive=True) for n, record in zip(numbers, records)]
         return cls(active=active, **found)
@@ -122,6 +127,7 @@ class Inspection:
     histories: dict[int, bytes]  # run number -> a sample of its metrics lines that have a loss
     gpus_csv: bytes | None
     gpus_error: str | None = None  # nvidia-smi did not answer in time: the line that says so
+    queue: list[int] = field(default_factory=list)  # launch --queue's runs waiting their turn (asked for), in order
 
     @classmethod
     def parse(cls, data: bytes) -> Inspection:
@@ -130,7 +136,7 @@ class Inspection:
         for name, value in parse_sections(data):
             if name == "run":
                 facts_by_run.append({"number": int(value)})
-            elif facts_by_run and name not in ("gpus", "gpus_error"):
+            elif facts_by_run and name not in ("gpus", "gpus_error", "queue"):
                 facts_by_run[-1][name] = value
             else:
                 top[name] = value
@@ -140,7 +146,7 @@ class Inspection:
             alive = facts.get("alive") == b"1"
             runs.append(Run(
                 number=facts["number"],
-                record=json.loads(facts["record"]),
+                record=remote_json(facts["record"]),
                 alive=alive,
                 log_size=int(facts["log_size"]) if "log_size" in facts else None,
                 progress=parse_progress(facts.get("metrics_first"), facts.get("metrics_last"), alive),
@@ -153,8 +159,9 @@ class Inspection:
             if "metrics_history" in facts:
                 histories[facts["number"]] = facts["metrics_history"]
         error = top["gpus_error"].decode(errors="replace") if top.get("gpus_error") else None
+        queue = [int(n) for n in top.get("queue", b"").split()]
         return cls(runs=runs, tails=tails, rests=rests, histories=histories, gpus_csv=top.get("gpus"),
-                   gpus_error=error)
+                   gpus_error=error, queue=queue)
 
 
 @dataclass(frozen=True)
@@ -170,7 +177,7 @@ class KillReply:
         if "run" not in sections:
             return cls(run=None, pids=[])
         pids = [int(p) for p in sections.get("pids", b"").split()]
-        return cls(run=Run(number=int(sections["run"]), record=json.loads(sections["record"]), alive=bool(pids)),
+        return cls(run=Run(number=int(sections["run"]), record=remote_json(sections["record"]), alive=bool(pids)),
                    pids=pids)
 
 
@@ -188,11 +195,54 @@ class MetricsChain:
             if name == "run":
                 number = int(value)
             elif name == "record":
-                record = json.loads(value)
+                record = remote_json(value)
             elif name == "metrics":
                 links.append((Run(number=number, record=record, alive=False), parse_metrics_lines(value)))
         links.reverse()  # the script walks from the run back to the one it resumed
         return cls(links)
+
+
+@dataclass(frozen=True)
+class Removal:
+    """One run of remove.sh's report: its paths removed (or, with --dry-run, that would be), and what of it stays
+    and why (a directory another run uses too)."""
+
+    run: Run
+    paths: list[str]
+    kept: list[tuple[str, str]]
+
+
+@dataclass(frozen=True)
+class RemoveReply:
+    """What remove.sh said (`gpuctl runs rm`, `runs prune`): each run removed, in number order; or the active runs
+    that refused it (exit ACTIVE), or the launch lock's holder (exit LOCKED)."""
+
+    removals: list[Removal]
+    active: list[Run]
+    holder: str | None = None
+
+    @classmethod
+    def parse(cls, data: bytes) -> RemoveReply:
+        removals: list[Removal] = []
+        active: list[Run] = []
+        number, holder, kept_path = 0, None, ""
+        for name, value in parse_sections(data):
+            text = value.decode(errors="replace")
+            if name in ("remove", "active"):
+                number = int(value)
+            elif name == "record":
+                removals.append(Removal(Run(number=number, record=remote_json(value), alive=False), [], []))
+            elif name == "active_record":
+                active.append(Run(number=number, record=remote_json(value), alive=True))
+            elif name == "path" and removals:
+                removals[-1].paths.append(text)
+            elif name == "kept":
+                kept_path = text
+            elif name == "kept_why" and removals:
+                removals[-1].kept.append((kept_path, text))
+            elif name == "holder":
+                holder = text
+        return cls(removals, active, holder)
 
 
 class FollowStart(NamedTuple):
@@ -247,7 +297,7 @@ class PullReply:
         sections = dict(parse_sections(data))
         run = None
         if "run" in sections:
-            run = Run(number=int(sections["run"]), record=json.loads(sections.get("record") or b"{}"), alive=False)
+            run = Run(number=int(sections["run"]), record=remote_json(sections.get("record") or b"{}"), alive=False)
         files = []
         for line in sections.get("manifest", b"").decode(errors="surrogateescape").splitlines():
             size, sha256, name = line.split(" ", 2)
@@ -308,7 +358,7 @@ class DoctorReply:
             if name == "active":
                 numbers.append(int(value))
             elif name == "active_record":
-                records.append(json.loads(value or b"{}"))
+                records.append(remote_json(value or b"{}"))
             else:
                 found[name] = value
         text = {k: v.decode(errors="replace") for k, v in found.items()}
@@ -324,8 +374,8 @@ class DoctorReply:
         return cls(python=text.get("python", ""), python_from=text.get("python_from", ""),
                    python_found=python_found, probe=probe, probe_error=error,
                    active=[Run(number=n, record=r, alive=True) for n, r in zip(numbers, records)],
-                   last_run=json.loads(found["last_run"]) if found.get("last_run") else None,
-                   last_setup=json.loads(found["last_setup"]) if found.get("last_setup") else None,
+                   last_run=remote_json(found["last_run"]) if found.get("last_run") else None,
+                   last_setup=remote_json(found["last_setup"]) if found.get("last_setup") else None,
                    workspace=workspace, compile_cache_bytes=int(cache) if cache.isdigit() else None,
                    compile_cache_error="" if cache.isdigit() else cache,
                    gpus_csv=found.get("gpus"), smi=text.get("smi", ""))

@@ -27,6 +27,7 @@ from typing_extensions import Self
 
 from gpuctl.address import Address, parse_address_arg
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
+from gpuctl.timeouts import timeouts
 
 
 def _import_paramiko():
@@ -56,17 +57,11 @@ KEEPALIVE_S = 15  # every transport sends an SSH keepalive this often, so a NAT 
 STDERR_CAP = 64 * 1024  # what is kept of a remote command's stderr (its heartbeats not counted)
 STDOUT_CAP = 256 * 1024 * 1024  # what one remote command's stdout may fill when collected (not streamed)
 HEARTBEAT = b"@@alive\n"  # what the container's scripts write on stderr while they work (templates/lib.sh.j2)
-
-
-def env_seconds(name: str, default: float) -> float:
-    """A time limit from the environment (tests give small ones), else its default."""
-    return float(os.environ.get(name, default))
-
-
-# The container's scripts send a heartbeat this often; no byte (output or heartbeat) from a remote command for
-# IDLE_S means the host or the link is dead (exit 3).
-HEARTBEAT_S = env_seconds("GPUCTL_HEARTBEAT", 5)
-IDLE_S = env_seconds("GPUCTL_IDLE_TIMEOUT", max(30, 4 * HEARTBEAT_S))
+# What every remote command echoes first, from the host's login shell (Session.start): a shell that refuses the
+# login (nologin, /bin/sync, a forced command) never runs the command, so the marker never comes. Output before
+# it is the shell's own (a banner) and passes on to nobody (LOGIN_SAID_CAP bytes of it at most).
+LOGIN_MARK = b"@@gpuctl\n"
+LOGIN_SAID_CAP = 4096
 
 
 @dataclass
@@ -84,6 +79,7 @@ class Completed:
     rc: int
     stdout: bytes
     stderr: bytes
+    started: bool = False  # a container script's first heartbeat came: pct ran it (templates/lib.sh.j2)
 
 
 @dataclass(frozen=True)
@@ -128,12 +124,13 @@ class Unreachable(GpuctlError):
         super().__init__(message, ExitCode.HOST)
 
 
-def load_ssh_config(path: str | None) -> paramiko.SSHConfig:
+def load_ssh_config(path: str | None, origin: str = "") -> paramiko.SSHConfig:
+    """origin: where the path came from, when not the command line (Address.origin)."""
     config_path = Path(path or "~/.ssh/config").expanduser()
     if not config_path.is_file():
         if path is None:
             return paramiko.SSHConfig()
-        raise usage_error(f"--ssh-config: no such file: {config_path}")
+        raise usage_error(f"--ssh-config{origin}: no such file: {config_path}")
     text = config_path.read_text(errors="replace")
     if MATCH_EXEC.search(text) and paramiko.config.invoke is None:
         with contextlib.suppress(ImportError):  # without invoke, paramiko says so when it meets the Match
@@ -144,12 +141,12 @@ def load_ssh_config(path: str | None) -> paramiko.SSHConfig:
 
 def resolve_endpoint(address: Address) -> Endpoint:
     """The address's endpoint: the command line's port, user and identity win over its ssh_config entry."""
-    config = load_ssh_config(address.ssh_config)
+    config = load_ssh_config(address.ssh_config, address.origin("ssh_config"))
     identity = None
     if address.identity:
         identity = Path(address.identity).expanduser()
         if not identity.is_file():
-            raise usage_error(f"--identity: no such key file: {identity}")
+            raise usage_error(f"--identity{address.origin('identity')}: no such key file: {identity}")
     return _endpoint(config, address.host, port=address.port, user=address.user, identity=identity,
                      accept_new=address.accept_new_host_key, hops=0)
 
@@ -213,7 +210,9 @@ class RemoteCommand:
         self._chan = chan
         self._session = session
         self._pending = bytearray()  # stdout read past a marker, for the next reader
+        self._before_mark: bytearray | None = bytearray()  # stdout until LOGIN_MARK came (then None)
         self.stderr = bytearray()  # at most STDERR_CAP bytes, without the heartbeats
+        self.started = False  # a heartbeat came: the container's script runs
         bound = session.bound_s
         self._deadline = time.monotonic() + bound if bound else None
 
@@ -229,9 +228,9 @@ class RemoteCommand:
                     raise self._session.lost(f"nothing could be written for {self._session.idle_s:g} s") from None
                 continue
             except (OSError, EOFError, paramiko.SSHException) as e:
-                raise self._session.lost(f"writing to the remote command failed: {e or type(e).__name__}")
+                raise self._write_failed(f"writing to the remote command failed: {e or type(e).__name__}") from None
             if n <= 0:
-                raise self._session.lost("writing to the remote command failed: the channel is closed")
+                raise self._write_failed("writing to the remote command failed: the channel is closed")
             start, moved = start + n, time.monotonic()
             self._session.stats.sent[kind] += n
             if progress:
@@ -288,7 +287,7 @@ class RemoteCommand:
                 self._chan.close()
             except (OSError, EOFError, paramiko.SSHException):
                 pass  # the connection is gone: what ended the command says so
-        return Completed(rc, bytes(out), bytes(self.stderr))
+        return Completed(rc, bytes(out), bytes(self.stderr), self.started)
 
     def _collect(self, buf: bytearray) -> Callable[[bytes], None]:
         """A writer of stdout into buf that fails, in one line, past STDOUT_CAP."""
@@ -300,6 +299,7 @@ class RemoteCommand:
         return extend
 
     def _keep_stderr(self, data: bytes) -> None:
+        self.started = self.started or HEARTBEAT in data
         data = data.replace(HEARTBEAT, b"")
         if len(self.stderr) + len(data) > STDERR_CAP:
             raise TooMuch(f"{self._session.endpoint.describe()}: a remote command wrote more than "
@@ -319,6 +319,42 @@ class RemoteCommand:
         self._session.stats.received += len(data)
         return data
 
+    def _write_failed(self, why: str) -> GpuctlError:
+        """A write the command did not take: the connection is lost, or the command ended, which before LOGIN_MARK
+        came means that the login shell refused it (what it said tells)."""
+        if self._before_mark is not None and not self._session.dropped(0.5):
+            try:
+                self._pump(lambda data: None, self._keep_stderr, idle_timeout=None, stop=None)
+            except GpuctlError as e:
+                return e
+        return self._session.lost(why)
+
+    def _past_mark(self, data: bytes) -> bytes:
+        """What of data follows LOGIN_MARK (b"" while it has not come yet)."""
+        self._before_mark.extend(data)
+        at = self._before_mark.find(LOGIN_MARK)
+        if at < 0:
+            if len(self._before_mark) > LOGIN_SAID_CAP:  # far more than any banner: the command is not running
+                raise self._refused()
+            return b""
+        rest = bytes(self._before_mark[at + len(LOGIN_MARK):])
+        self._before_mark = None
+        return rest
+
+    def _refused(self) -> GpuctlError:
+        """The command's output ended before LOGIN_MARK: the login shell ran none of it. What it said (on stdout
+        and stderr), else its exit code, in one line."""
+        deadline = time.monotonic() + 2.0  # what it wrote on stderr comes with its end
+        while time.monotonic() < deadline and (data := self._recv(stderr=True)) != b"":
+            if data:
+                self._keep_stderr(data)
+        said = (bytes(self._before_mark[:LOGIN_SAID_CAP]) + b"\n" + bytes(self.stderr[-LOGIN_SAID_CAP:]))
+        lines = [line.strip() for line in said.decode(errors="replace").splitlines() if line.strip()]
+        if not lines:
+            rc = self._chan.recv_exit_status() if self._chan.status_event.wait(1.0) else "unknown"
+            lines = [f"its login shell ran nothing (exit {rc})"]
+        return host_error(f"{self._session.endpoint.describe()} refused the login: {'; '.join(lines)}")
+
     def _pump(self, on_stdout: Callable[[bytes], None], on_stderr: Callable[[bytes], None],
               idle_timeout: float | None, stop: Callable[[], bool] | None) -> bool:
         """Pass output on until stdout ends (True) or stop() holds (False). Silence longer than idle_timeout (the
@@ -333,9 +369,14 @@ class RemoteCommand:
                 on_stderr(self._recv(stderr=True) or b"")
                 heard = time.monotonic()
             if data:
-                on_stdout(data)
                 heard = time.monotonic()
+                if self._before_mark is not None:
+                    data = self._past_mark(data)
+                if data:
+                    on_stdout(data)
             elif data == b"":
+                if self._before_mark is not None and not self._session.dropped(0.5):
+                    raise self._refused()
                 return True  # end of the command's output (or of the connection: finish() tells which)
             elif not self._session.connected():
                 raise self._session.lost("the connection dropped")
@@ -358,7 +399,7 @@ class Session:
         self.endpoint = endpoint
         self._timeout = timeout
         self.stats = stats
-        self.idle_s = IDLE_S
+        self.idle_s = timeouts().idle  # no byte for this long from a remote command: the link is dead
         self.bound_s = bound_s  # when set, every remote command must end within it (status, runs, kill, doctor)
 
     def connected(self) -> bool:
@@ -379,6 +420,17 @@ class Session:
 
     def start(self, command: str) -> RemoteCommand:
         """Start a remote command; talk to it through the RemoteCommand."""
+        chan = self._exec(f"echo {LOGIN_MARK.decode().strip()}; {command}")
+        chan.settimeout(0.5)  # recv wakes up this often, so Ctrl-C and a dead link are noticed promptly
+        return RemoteCommand(chan, self)
+
+    def open_terminal(self, command: str, pty: tuple[str, int, int] | None) -> paramiko.Channel:
+        """A remote command for a person (gpuctl shell): on a pty (TERM, columns, rows) when `pty` is given, else
+        on plain streams. No idle deadline and no bound: a shell waits for its user (the transport's keepalive
+        still notices a dead link)."""
+        return self._exec(command, pty)
+
+    def _exec(self, command: str, pty: tuple[str, int, int] | None = None) -> paramiko.Channel:
         if not self.connected():
             raise self.lost("the connection dropped")
         transport = self._client.get_transport()
@@ -390,6 +442,9 @@ class Session:
         try:
             chan = transport.open_session(timeout=self._timeout)
             watchdog.start()
+            if pty:
+                term, columns, rows = pty
+                chan.get_pty(term=term, width=columns, height=rows)
             chan.exec_command(command)
         except (paramiko.SSHException, OSError, EOFError) as e:
             if self.dropped():
@@ -397,8 +452,7 @@ class Session:
             raise host_error(f"{self.endpoint.describe()}: cannot run a remote command: {e}") from None
         finally:
             watchdog.cancel()
-        chan.settimeout(0.5)  # recv wakes up this often, so Ctrl-C and a dead link are noticed promptly
-        return RemoteCommand(chan, self)
+        return chan
 
     def stream(self, command: str, stdin: bytes = b"", on_stdout: Callable[[bytes], None] | None = None,
                on_stderr: Callable[[bytes], None] | None = None, idle_timeout: float | None = None) -> Completed:
@@ -423,17 +477,96 @@ class Session:
         self.close()
 
 
-def _login(endpoint: Endpoint, timeout: float, opened: list[paramiko.SSHClient]) -> paramiko.SSHClient:
-    """Connect and log in to endpoint, through its jump hosts first; every client opened goes to `opened`."""
-    sock = None
+class _Heard:
+    """A connection's socket (or a jump's channel) that keeps the first bytes the server sent and whether it
+    closed: what a handshake that failed before the SSH banner is told by (silence, a close, not SSH)."""
+
+    KEEP = 200
+
+    def __init__(self, sock: socket.socket | paramiko.Channel):
+        self._sock = sock
+        self.first = b""
+        self.closed = False
+
+    def recv(self, n: int) -> bytes:
+        data = self._io(self._sock.recv, n)
+        if not data:
+            self.closed = True
+        elif len(self.first) < self.KEEP:
+            self.first += data[:self.KEEP - len(self.first)]
+        return data
+
+    def send(self, data: bytes) -> int:
+        return self._io(self._sock.send, data)
+
+    def _io(self, call: Callable, arg):
+        """A read or write; a reset (the server closed with our banner unread) counts as its close."""
+        try:
+            return call(arg)
+        except TimeoutError:
+            raise
+        except OSError:
+            self.closed = True
+            raise
+
+    def __getattr__(self, name: str):
+        return getattr(self._sock, name)
+
+
+def _tcp(endpoint: Endpoint, timeout: float, opened: list[paramiko.SSHClient]) -> socket.socket | paramiko.Channel:
+    """The connection's first stage: a TCP connection to the endpoint (a direct-tcpip channel through its jump)."""
+    where = endpoint.describe()
     if endpoint.jump is not None:
         via = _login(endpoint.jump, timeout, opened)
         try:
-            sock = via.get_transport().open_channel("direct-tcpip", (endpoint.hostname, endpoint.port),
+            return via.get_transport().open_channel("direct-tcpip", (endpoint.hostname, endpoint.port),
                                                     ("127.0.0.1", 0), timeout=timeout)
         except (paramiko.SSHException, OSError, EOFError) as e:
-            raise Unreachable(f"cannot reach {endpoint.hostname}:{endpoint.port} through "
-                              f"{endpoint.jump.describe()}: {e or type(e).__name__}") from None
+            said = getattr(e, "text", None) or str(e) or type(e).__name__  # a ChannelException's own words
+            raise Unreachable(f"cannot connect to {where}: TCP connect failed: the jump host could not reach "
+                              f"{endpoint.hostname}:{endpoint.port} ({said})") from None
+    try:
+        return socket.create_connection((endpoint.hostname, endpoint.port), timeout=timeout)
+    except socket.gaierror as e:
+        raise Unreachable(f"cannot resolve host {endpoint.hostname}: {e.strerror}") from None
+    except ConnectionRefusedError:
+        reason = f"connection refused (nothing listens on port {endpoint.port} there: is sshd running, on that port?)"
+    except TimeoutError:
+        reason = (f"no answer within {timeout:g} s (a wrong or unreachable address, or a firewall that drops it; "
+                  "--connect-timeout waits longer)")
+    except OSError as e:
+        reason = e.strerror or str(e) or type(e).__name__
+    raise Unreachable(f"cannot connect to {where}: TCP connect failed: {reason}")
+
+
+def _handshake_failure(endpoint: Endpoint, transport: paramiko.Transport | None, heard: _Heard, timeout: float,
+                       error: BaseException) -> GpuctlError:
+    """Which stage of the SSH handshake failed, told from how far the transport got (not from paramiko's words:
+    a silent server is 'No existing session' or 'Error reading SSH protocol banner' by a race)."""
+    where, reason = endpoint.describe(), str(error) or type(error).__name__
+    if transport is None or not transport.remote_version:
+        if heard.first:
+            line = heard.first.decode(errors="replace").strip().splitlines()[0][:80] if heard.first.strip() else ""
+            said = f"answered {line!r}" if line else f"sent {len(heard.first)} bytes"
+            why = f"{said}, not an SSH banner (is port {endpoint.port} an SSH server's?)"
+        elif heard.closed:
+            why = ("the server accepted the TCP connection and closed it without a word (sshd refusing "
+                   "connections: MaxStartups, a TCP wrapper, fail2ban?)")
+        else:
+            why = (f"the server accepted the TCP connection but sent no SSH banner within {timeout:g} s (a hung "
+                   "sshd, or not an SSH server; --connect-timeout waits longer)")
+        return Unreachable(f"cannot connect to {where}: SSH banner failed: {why}")
+    if not transport.initial_kex_done:
+        if isinstance(error, TimeoutError) or "No existing session" in reason:
+            reason = f"no answer within {timeout:g} s"
+        return Unreachable(f"cannot connect to {where}: SSH key exchange failed: {reason}")
+    return host_error(f"cannot log in to {where}: authentication failed: {reason}")
+
+
+def _login(endpoint: Endpoint, timeout: float, opened: list[paramiko.SSHClient]) -> paramiko.SSHClient:
+    """Connect and log in to endpoint, through its jump hosts first; every client opened goes to `opened`. Each
+    stage that fails says so: TCP connect, the SSH banner, the key exchange, the host key, authentication."""
+    heard = _Heard(_tcp(endpoint, timeout, opened))
     client = paramiko.SSHClient()
     opened.append(client)
     for path in (Path("/etc/ssh/ssh_known_hosts"), endpoint.known_hosts):
@@ -441,31 +574,29 @@ def _login(endpoint: Endpoint, timeout: float, opened: list[paramiko.SSHClient])
             try:
                 client.get_host_keys().load(str(path))
             except (OSError, paramiko.SSHException) as e:
+                heard.close()
                 raise host_error(f"cannot read {path}: {e}") from None
     client.set_missing_host_key_policy(_HostKeyPolicy(endpoint))
     where = endpoint.describe()
     try:
         client.connect(endpoint.hostname, port=endpoint.port, username=endpoint.user,
                        key_filename=list(endpoint.key_files) or None, allow_agent=True, look_for_keys=True,
-                       timeout=timeout, banner_timeout=timeout, auth_timeout=timeout, sock=sock)
+                       timeout=timeout, banner_timeout=timeout, auth_timeout=timeout, sock=heard)
     except paramiko.BadHostKeyException as e:
         raise host_error(
             f"host key for {e.hostname} has CHANGED (now {e.key.get_name()} {e.key.fingerprint}); refusing to "
             f"connect. If the host was really re-installed, remove the old key from {endpoint.known_hosts} "
             f"(ssh-keygen -R) and connect again") from None
     except paramiko.AuthenticationException as e:
-        tried = ", ".join(endpoint.key_files) or "agent and default keys"
-        raise host_error(f"authentication failed for {where} ({e}; tried {tried}); "
-                         "pass --identity KEY") from None
-    except socket.gaierror as e:
-        raise Unreachable(f"cannot resolve host {endpoint.hostname}: {e.strerror}") from None
+        tried = ", ".join(endpoint.key_files) or "the agent's and the default keys"
+        said = "" if str(e) in ("", "Authentication failed.") else f" ({e})"
+        raise host_error(f"cannot log in to {where}: authentication failed: the host accepted none of the keys "
+                         f"tried{said} ({tried}); pass --identity KEY") from None
     except (paramiko.SSHException, OSError, EOFError) as e:
-        reason = str(e) or type(e).__name__
-        if isinstance(e, paramiko.ssh_exception.NoValidConnectionsError):
-            reason = "connection refused"
-        elif isinstance(e, (TimeoutError, socket.timeout)):
-            reason = f"no answer within {timeout:g} s"
-        raise Unreachable(f"cannot connect to {where}: {reason}") from None
+        raise _handshake_failure(endpoint, client.get_transport(), heard, timeout, e) from None
+    finally:
+        if client.get_transport() is None or not client.get_transport().is_authenticated():
+            heard.close()  # a failed stage: the socket goes with it (the client closes its own transport)
     client.get_transport().set_keepalive(KEEPALIVE_S)
     return client
 
@@ -478,6 +609,13 @@ def connect(address: Address, stats: Stats | None = None, bound_s: float | None 
     started = time.perf_counter()
     try:
         client = _login(endpoint, address.connect_timeout, opened)
+    except GpuctlError as e:
+        for client in reversed(opened):
+            client.close()
+        origin = address.remembered("host", "port", "user", "identity", "ssh_config")
+        if origin:  # the user typed none of it: say where gpuctl got it, and how to forget it
+            e.args = (f"{e}{origin}",)
+        raise
     except BaseException:
         for client in reversed(opened):
             client.close()

@@ -21,17 +21,18 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
-    from rich.console import Console, ConsoleOptions, RenderableType
+    from rich.console import Console, RenderableType
     from rich.segment import Segment
 
-# C0 but newline and tab, DEL, and C1 (U+0080-U+009F): what a terminal may act on rather than show.
-CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# C0 but newline and tab, DEL, and C1 (U+0080-U+009F): what a terminal may act on rather than show; and lone
+# surrogates (a name read with surrogateescape), which no stream can encode.
+CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
 
 
 def visible(text: str) -> str:
     """Text from a container, safe to show: each control character (CONTROL) as a \\xNN escape, ESC as \\x1b,
-    DEL as \\x7f, CSI as \\x9b; newlines and tabs stay."""
-    return CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", text)
+    DEL as \\x7f, CSI as \\x9b, a lone surrogate as \\udcNN; newlines and tabs stay."""
+    return CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}" if m[0] < "\ud800" else f"\\u{ord(m[0]):04x}", text)
 
 
 def visible_log(text: str) -> str:
@@ -62,21 +63,19 @@ def visible_console() -> type[Console]:
     from rich.segment import Segment
 
     class VisibleConsole(Console):
-        """A Rich console that shows every text segment through visible(): whatever a remote string inside a table
-        or a Text holds (Text itself strips only BEL, BS, VT, FF and CR). Rich's own control segments (cursor moves
-        of a live display) and styles pass; markup is off, so no remote string becomes a style or a link. Only the
-        outermost render is filtered: a table lays its cells out first (an escape makes its line longer, never cut)."""
+        """A Rich console that is the one gate for what reaches the stream: every text segment, however deep a
+        Group, Table, Panel or Live nests it, passes visible() in _render_buffer, where Rich turns the segments of
+        a print into the characters it writes (a filter in render() sees nested segments through generators that
+        interleave, and missed them). Rich's own control segments (a live display's cursor moves) and styles
+        pass; markup is off, so no remote string becomes a style or a link. A str is made visible() before it
+        becomes a Text too: Text drops BEL, BS, VT, FF and CR unseen, and a table measures what it will show."""
 
-        _depth = 0
+        def render_str(self, text: str, **kwargs: Any) -> Any:
+            return super().render_str(visible(text), **kwargs)
 
-        def render(self, renderable: Any, options: ConsoleOptions | None = None) -> Iterable[Segment]:
-            self._depth += 1
-            try:
-                for segment in super().render(renderable, options):
-                    outermost = self._depth == 1
-                    yield segment if segment.control or not outermost else Segment(visible(segment.text), segment.style)
-            finally:
-                self._depth -= 1
+        def _render_buffer(self, buffer: Iterable[Segment]) -> str:
+            return super()._render_buffer(
+                segment if segment.control else Segment(visible(segment.text), segment.style) for segment in buffer)
 
     return VisibleConsole
 
@@ -102,13 +101,17 @@ class Output:
                               markup=False, emoji=False)
 
     def show(self, renderable: RenderableType | str, stderr: bool = False) -> None:
-        self.console(stderr).print(renderable)
+        """A result; a line of text is never broken by Rich (a pipe is 80 columns to it): the terminal wraps it,
+        a script reads it whole."""
+        from rich.text import Text
+
+        self.console(stderr).print(renderable, soft_wrap=isinstance(renderable, str | Text))
 
     def message(self, text: str) -> None:
         """A human message: always on stderr."""
         from rich.text import Text
 
-        self.console(stderr=True).print(Text(f"gpuctl: {visible(text)}"))
+        self.console(stderr=True).print(Text(f"gpuctl: {visible(text)}"), soft_wrap=True)
 
     def error(self, text: str) -> None:
         from rich.text import Text

@@ -7,12 +7,24 @@ metrics are fetched over SSH; the figure is drawn here).
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
+from gpuctl import paths
 from gpuctl.commands.status import MetricsHistory
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
 
 FORMATS = {".png", ".svg", ".pdf"}
+
+
+def install_hint() -> str:
+    """How to get matplotlib into the environment gpuctl runs in: the package itself, or this project's own
+    extra from its checkout. Never `pip install 'gpuctl[plot]'`: on the package index `gpuctl` is an unrelated
+    project, so that would install someone else's package."""
+    hint = "pip install matplotlib"
+    if (paths.SOURCE_ROOT / "pyproject.toml").is_file():  # running from a checkout (an editable install too)
+        hint += f" (or this project's extra: pip install '{paths.SOURCE_ROOT}[plot]')"
+    return f"{hint}, with the python that runs gpuctl ({sys.executable})"
 
 
 def check_output(path: Path) -> None:
@@ -20,7 +32,7 @@ def check_output(path: Path) -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise usage_error("gpuctl plot needs matplotlib: pip install 'gpuctl[plot]'") from None
+        raise usage_error(f"gpuctl plot needs matplotlib: {install_hint()}") from None
     if path.suffix.lower() not in FORMATS:
         raise usage_error(f"-o must end in {', '.join(sorted(FORMATS))}, got {str(path)!r}")
     if not path.parent.is_dir():
@@ -66,6 +78,8 @@ def draw(history: MetricsHistory, path: Path) -> tuple[int, int]:
     latest = history.runs[-1]
     total = next((r.get("total_steps") for r in reversed(history.records) if r.get("total_steps")), None)
     config = latest.record.get("config", "?")
-    figure.suptitle(f"{runs}  ({config}; step {steps[-1]}" + (f" of {total})" if total else ")"))
+    # The config's name is the record's text, shown as typed: never mathtext nor TeX (a `$` would parse it).
+    figure.suptitle(f"{runs}  ({config}; step {steps[-1]}" + (f" of {total})" if total else ")"), parse_math=False,
+                    usetex=False)
     figure.savefig(path)
     return len(steps), len(taus)

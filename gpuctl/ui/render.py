@@ -24,14 +24,16 @@ if TYPE_CHECKING:  # the results rendered here; each command's own module comes 
     from gpuctl.commands.detached import LaunchResult
     from gpuctl.commands.doctor import DoctorReport
     from gpuctl.commands.kill import Killed, KillResult
-    from gpuctl.commands.nodes import ClusterLaunch, ClusterRun, ClusterRuns, ClusterStatus
+    from gpuctl.commands.nodes import ClusterLaunch, ClusterRun, ClusterRuns, ClusterStatus, NodesRemoved
     from gpuctl.commands.pull import PullResult
+    from gpuctl.commands.remove import Removed
 
 SPARK = "▁▂▃▄▅▆▇█"
 PROGRESS_AFTER_S = 0.5  # a transfer shows a progress bar only once it has taken this long
 CHECK_STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red"}
 STATE_STYLE = {State.STARTING: "yellow", State.RUNNING: "green", State.SUCCEEDED: "bold green",
-               State.FAILED: "bold red", State.KILLED: "magenta", State.LOST: "red", State.RETRYING: "yellow"}
+               State.FAILED: "bold red", State.KILLED: "magenta", State.LOST: "red", State.RETRYING: "yellow",
+               State.QUEUED: "cyan"}
 
 
 def duration(seconds: float | None) -> str:
@@ -103,27 +105,42 @@ def _run_grid(run: Run, losses: list[float]) -> Table:
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column()
-    grid.add_row("run", Text.assemble((run.run_id, "bold"), "  ", state_text(run)))
+    grid.add_row("run", Text.assemble((run.run_id, "bold"), f" ({run.name})" if run.name else "", "  ",
+                                      state_text(run)))
     pid = run.record.get("pid")
     grid.add_row("pid", f"{pid} (process group {run.record.get('pgid')})" if pid else "-")
-    started = local_time(run.started_at)
-    elapsed = f"{duration(run.elapsed_s)} ago" if run.state.active else f"ran {duration(run.elapsed_s)}"
-    grid.add_row("started", f"{started}, {elapsed}")
+    if run.never_started:  # launch --queue: when it queued, and how long it has waited (or waited)
+        queued_at = run.record.get("launched_at")
+        end = run.record.get("ended_at", run.now)
+        waited = duration(end - queued_at) if queued_at is not None and end is not None else "-"
+        grid.add_row("queued", f"{local_time(queued_at)}, waiting for {waited}" if run.state.active else
+                     f"{local_time(queued_at)}, waited {waited}, never started")
+    else:
+        started = local_time(run.started_at)
+        elapsed = f"{duration(run.elapsed_s)} ago" if run.state.active else f"ran {duration(run.elapsed_s)}"
+        grid.add_row("started", f"{started}, {elapsed}")
     grid.add_row("log", f"{run.log_path} ({size(run.log_size)})")
     grid.add_row("progress", progress_text(run))
+    if run.failure:
+        grid.add_row("failure", visible(run.failure))  # why it ended: its exit, last step, the log's last line
     if spark := sparkline(losses):
         grid.add_row("loss", Text.assemble((spark, "cyan"), f"  {losses[0]:.4g} → {losses[-1]:.4g}"))
     if run.task == "setup":  # gpuctl setup's installation: no config
         grid.add_row("task", f"{run.task} (venv {run.record.get('venv', '-')}, from {run.record.get('python', '-')})")
         return grid
     notes = [f"task {run.task}"] * (run.task != "train")
-    if run.record.get("resumed_from"):
-        notes.append(f"resumed tl{run.record['resumed_from']}")
-    config = str(run.record.get("config", "-")) + (f" ({', '.join(notes)})" if notes else "")
-    grid.add_row("config", config)
+    if run.resumed_from:
+        notes.append(f"resumed tl{run.resumed_from}")
+    config = launch_text(run) + (f" ({', '.join(notes)})" if notes else "")
+    grid.add_row("config", visible(config))
     if retry := _retry_text(run):
         grid.add_row("attempt", visible(retry))  # before Text drops BEL, BS, VT, FF and CR unseen
     return grid
+
+
+def launch_text(run: Run) -> str:
+    """The run's config and its --set values, as the command line gave them."""
+    return " ".join([str(run.record.get("config") or "-"), *(f"--set {item}" for item in run.sets)])
 
 
 def _retry_text(run: Run) -> str:
@@ -154,6 +171,9 @@ def status_renderable(report: StatusReport | ClusterStatus) -> RenderableType:
                           f"{report.ctid} starts it)"))
         return Group(*parts)
     parts.append(_run_grid(report.run, report.losses) if report.run else Text("no runs yet (gpuctl launch starts one)"))
+    if report.queue:
+        queue = ", ".join(f"tl{n}" for n in report.queue)
+        parts.append(Text(f"queue: {queue} (launch --queue: each starts when the runs ahead of it end)"))
     if report.gpus:
         table = Table(box=None, pad_edge=False)
         for name, justify in (("GPU", "right"), ("name", "left"), ("util", "right"), ("memory", "right")):
@@ -240,24 +260,33 @@ def runs_table(out: Output, runs: list[Run], ctid: int, host: str, as_json: bool
         console.print(f"no runs in CT {ctid} yet")
         return
     table = Table(box=None, pad_edge=False)
-    for name in ("run", "task", "state", "exit", "started", "duration", "log", "size"):
-        table.add_column(name, header_style="bold", no_wrap=name != "log")
+    for name in ("run", "name", "task", "state", "exit", "started", "duration", "log", "size", "resumed", "config"):
+        table.add_column(name, header_style="bold", no_wrap=name != "config")  # the launch wraps, not the log
     for run in runs:
         exit_code = "-" if run.exit_code is None else str(run.exit_code)
-        table.add_row(run.run_id, run.task, state_text(run), exit_code, local_time(run.started_at),
-                      duration(run.elapsed_s), run.log_path or "-", size(run.log_size))
+        table.add_row(run.run_id, run.name or "-", run.task, state_text(run), exit_code, local_time(run.started_at),
+                      duration(run.elapsed_s), run.log_path or "-", size(run.log_size),
+                      f"tl{run.resumed_from}" if run.resumed_from else "-", visible(launch_text(run)))
     console.print(table)
 
 
 def launch_result(out: Output, result: LaunchResult, as_json: bool, to_stderr: bool, show_tail: bool) -> None:
     run = result.run
     if as_json:
-        out.json_doc(dict(run.to_json(), staging=result.staging_json()))
+        queued = {"queued_behind": [f"tl{n}" for n in result.queued_behind]} if result.queued_behind else {}
+        out.json_doc(dict(run.to_json(), staging=result.staging_json(), **queued))
     console = out.console(stderr=to_stderr or as_json)  # with --json, the human lines go to stderr
     resumed = f", resuming tl{result.resumed_from}" if result.resumed_from else ""
     task = {"train": "", "setup": "gpuctl setup, "}.get(run.task, f"task {run.task}, ")
-    console.print(Text.assemble("started ", (run.run_id, "bold"), f" ({task}pid {run.record.get('pid')}, "
-                            f"process group {run.record.get('pgid')}{resumed}): ", state_text(run)))
+    if run.state == State.QUEUED:
+        behind = ", ".join(f"tl{n}" for n in result.queued_behind)
+        notes = ", ".join(filter(None, [task.removesuffix(", "), resumed.removeprefix(", ")]))
+        notes = f" ({notes})" if notes else ""
+        console.print(Text.assemble("queued ", (run.label, "bold"), f" behind {behind}{notes}: it starts, detached, "
+                                    f"when they end; gpuctl kill --run {run.number} takes it out of the queue"))
+    else:
+        console.print(Text.assemble("started ", (run.label, "bold"), f" ({task}pid {run.record.get('pid')}, "
+                                    f"process group {run.record.get('pgid')}{resumed}): ", state_text(run)))
     plan = result.plan
     changed = len(plan.changed)
     sent = (f"sent {changed} changed file{'s' * (changed != 1)}, {size(result.sent_file_bytes)}" if changed
@@ -273,6 +302,33 @@ def launch_result(out: Output, result: LaunchResult, as_json: bool, to_stderr: b
         out.message(f"{run.run_id} failed; --retry: attempt 2 is tl{run.record['retried_as']} (gpuctl status shows it)")
 
 
+def removed(out: Output, result: Removed | NodesRemoved, as_json: bool) -> None:
+    """runs rm, runs prune: each run and its paths (with --dry-run, what would go), and what of it stays, and why;
+    over the nodes of a multi-node run, each node's."""
+    if as_json:
+        out.json_doc(result.to_json())
+        return
+    console = out.console(stderr=False)
+    from gpuctl.commands.remove import Removed  # (the command imported it)
+
+    for where, one in [("", result)] if isinstance(result, Removed) else [
+            (f"{node.describe()}: ", one) for node, one in result.results]:
+        if not one.removals:
+            kept = f" (--keep {one.keep})" if one.keep is not None else ""
+            console.print(f"{where}nothing to remove in CT {one.ctid}{kept}")
+        verb = "would remove" if one.dry_run else "removed"
+        for removal in one.removals:
+            count = len(removal.paths)
+            console.print(Text.assemble(f"{where}{verb} ", (removal.run.label, "bold"),
+                                        f" ({removal.run.state.value}): {count} path{'s' * (count != 1)}"))
+            for path in removal.paths:
+                console.print(Text(f"  {visible(path)}"))
+            for path, why in removal.kept:
+                console.print(Text(f"  kept {visible(path)}: {visible(why)}"))
+    if result.dry_run:
+        out.message("--dry-run: nothing was removed")
+
+
 def kill_result(out: Output, result: KillResult, where: str = "") -> None:
     """where: a multi-node run's node ("node 1 (CT 201 on pve2)")."""
     prefix = f"{where}: " if where else ""
@@ -280,6 +336,9 @@ def kill_result(out: Output, result: KillResult, where: str = "") -> None:
         out.message(f"{prefix}no runs in this container; nothing to kill")
     elif not result.signalled:
         out.message(f"{prefix}{result.run.run_id} is not running ({result.run.state.value}); nothing to kill")
+    elif result.run.never_started:  # launch --queue: it waited in the queue
+        out.show(Text(f"{prefix}took {result.run.run_id} out of the queue: it never started (state "
+                      f"{result.run.state.value}, exit {result.run.exit_code})"))
     else:
         how = " (SIGKILL after the grace period)" if result.escalated else ""
         out.show(Text(
@@ -298,7 +357,7 @@ def pull_result(out: Output, result: PullResult, as_json: bool) -> None:
     o = result.outcome
     count = len(o.files)
     made = f", exported now from {result.export_from.rsplit('/', 1)[-1]}" if result.export_from else ""
-    parts = [f"sent {size(o.sent)}"]
+    parts = [f"received {size(o.sent)}"]
     if o.resumed:
         parts.append(f"{size(o.resumed)} resumed from an earlier pull")
     if o.skipped:
@@ -369,7 +428,7 @@ def cluster_launch(out: Output, result: ClusterLaunch, as_json: bool, to_stderr:
 
 def cluster_status_renderable(report: ClusterStatus) -> RenderableType:
     state, reason = report.state()
-    parts: list[RenderableType] = [Text.assemble(("run ", "bold"), (f"tl{report.number}", "bold"),
+    parts: list[RenderableType] = [Text.assemble(("run ", "bold"), (report.run_id, "bold"),
                                                  f" on {len(report.nodes)} nodes: ", _state_label(state, reason))]
     table = Table(box=None, pad_edge=False)
     for name in ("node", "container", "state", "pid", "progress", "GPUs"):
@@ -401,7 +460,7 @@ def cluster_runs(out: Output, runs: list[ClusterRun], as_json: bool) -> None:
         first = run.present[0][1]
         state, reason = run.state()
         nodes = ", ".join(f"{node.index}: {node.address.spec()} {r.state.value}" for node, r in run.present)
-        table.add_row(run.present[0][1].run_id, first.task, _state_label(state, reason), local_time(first.started_at),
+        table.add_row(first.label, first.task, _state_label(state, reason), local_time(first.started_at),
                       duration(first.elapsed_s), nodes)
     console.print(table)
 

@@ -1,6 +1,17 @@
 """CLI fixtures: one stand-in Proxmox host (real sshd) per test session, a fresh container per test, and
 `gpuctl`, which runs the real command line in a subprocess with HOME and the XDG dirs in a temp dir (nothing of
 the user's ~/.ssh or ~/.local is read or written). Trainer fixtures live in tests/training/conftest.py.
+
+A test of the real trainer (the tiny preset) need not build the tiny world nor train for itself:
+- `tiny_cache`: the test's container (`gpuctl`'s) with the tiny preset's cache (~/.cache/gpuctl/tiny-v2: the
+  target and its data) already there, copied from the session's `tiny_world`: a launch of the tiny preset starts
+  training at once. Other containers (a multi-node test's) get it with `seed_tiny_cache(host, ctid, world)`.
+- `tiny_run`: the test's container as a clone of one holding a finished run, `gpuctl launch --config tiny
+  --follow` (60 steps, tl1 succeeded, its export written), made once per session; `tiny_run.launched` is that
+  launch's Result. For a test that reads a finished run (status, logs, runs, pull, plot, inspect, a resume); it
+  may change its clone as it likes. A test that needs a run of other settings launches its own, with
+  `tiny_cache`.
+Both are built once per session, and once for all of pytest-xdist's workers (tests/conftest.py's `built_once`).
 """
 
 from __future__ import annotations
@@ -9,16 +20,20 @@ import codecs
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import pytest
 
+from gpuctl import timeouts
+from gpuctl.address import tomllib
+from tests.conftest import TinyWorld, built_once
 from tests.sandbox import ALIAS, StandInHost
 from tests.sandbox.host import free_port
 
@@ -94,6 +109,10 @@ class Output:
         return self.text, err
 
 
+# gpuctl's command line with the stand-in trainer's config schema (tests/sandbox/cli.py): `--set fake.KEY` is known.
+CLI = (sys.executable, "-m", "tests.sandbox.cli")
+
+
 class Gpuctl:
     """Runs `python -m gpuctl ARGS` against the stand-in host and one container."""
 
@@ -103,15 +122,16 @@ class Gpuctl:
         self.env = {k: v for k, v in os.environ.items()
                     if not k.startswith(("GPUCTL_", "SSH_", "XDG_", "FORCE_COLOR", "TTY_"))}
         self.env.update(HOME=str(home), XDG_STATE_HOME=str(home / "state"), XDG_CONFIG_HOME=str(home / "config"),
-                        PYTHONPATH=str(source), NO_COLOR="1", **host.env(ctid))
+                        PYTHONPATH=os.pathsep.join(dict.fromkeys([str(source), str(REPO)])), NO_COLOR="1",
+                        **host.env(ctid))
 
     def __call__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 120) -> Result:
-        proc = subprocess.run([sys.executable, "-m", "gpuctl", *args], cwd=self.source, env=self.env | (env or {}),
+        proc = subprocess.run([*CLI, *args], cwd=self.source, env=self.env | (env or {}),
                               capture_output=True, text=True, timeout=timeout, check=False)
         return Result(proc.returncode, proc.stdout, proc.stderr)
 
     def popen(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "gpuctl", *args], cwd=self.source, env=self.env | (env or {}),
+        return subprocess.Popen([*CLI, *args], cwd=self.source, env=self.env | (env or {}),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def launch_fake(self, *sets: str, extra: tuple[str, ...] = ()) -> Result:
@@ -129,6 +149,22 @@ class Gpuctl:
     def path(self, path: str) -> Path:
         """Where a path of the container lives on this machine."""
         return self.host.path_in(self.ctid, path)
+
+
+def timeouts_config(folder: Path, **limits: float) -> dict[str, str]:
+    """The environment of a gpuctl whose config.toml (in FOLDER, its XDG_CONFIG_HOME) has these [timeouts]:
+    a test's short limits, given the way a user gives theirs (gpuctl/timeouts.py)."""
+    (folder / "gpuctl").mkdir(parents=True, exist_ok=True)
+    (folder / "gpuctl" / "config.toml").write_text("[timeouts]\n" + "".join(f"{k} = {v}\n" for k, v in limits.items()))
+    return {"XDG_CONFIG_HOME": str(folder)}
+
+
+@pytest.fixture(autouse=True)
+def _timeouts_read_again():
+    """gpuctl reads its [timeouts] once per process: an in-process test's config.toml is not the next one's."""
+    timeouts.timeouts.cache_clear()
+    yield
+    timeouts.timeouts.cache_clear()
 
 
 def started_host(tmp_path_factory, name: str) -> Iterator[StandInHost]:
@@ -155,6 +191,71 @@ def gpuctl(standin: StandInHost, ctid: int, tmp_path: Path) -> Gpuctl:
     home = tmp_path / "home"
     home.mkdir()
     return Gpuctl(standin, ctid, home)
+
+
+# The real trainer's tiny preset, without each test building its world and training its own run.
+
+def tiny_cache_path() -> str:
+    """The tiny preset's cache in a container (the directory of its target_path; ~ is /root there)."""
+    target = tomllib.loads((REPO / "training" / "presets" / "tiny.toml").read_text())["target_path"]
+    return str(PurePosixPath(target.replace("~", "/root", 1)).parent)
+
+
+def seed_tiny_cache(host: StandInHost, ctid: int, world: TinyWorld) -> Path:
+    """Copy the tiny world into container ctid as the tiny preset's cache (what its first run would build)."""
+    cache = host.path_in(ctid, tiny_cache_path())
+    cache.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(world.target, cache / "target")
+    for data in (world.train, world.eval):
+        shutil.copy2(data, cache / data.name)
+    return cache
+
+
+@pytest.fixture
+def tiny_cache(standin: StandInHost, ctid: int, tiny_world: TinyWorld) -> Path:
+    """The tiny preset's cache in the test's container; its host path."""
+    return seed_tiny_cache(standin, ctid, tiny_world)
+
+
+# What of a container a run leaves: the trainer's files and records, and gpuctl's staged package and run.sh.
+RUN_DIRS = ("workspace", "root")
+
+
+@dataclass
+class TinyRun:
+    launched: Result  # `gpuctl launch --config tiny --follow`, as the session's run printed it
+    ctid: int  # the container it ran in (its records say so); the test's container is a clone of it
+
+
+@pytest.fixture(scope="session")
+def _tiny_run_made(standin: StandInHost, tmp_path_factory) -> Path:
+    """The container of the session's finished tiny run, copied aside: launched the demo's way, in a container
+    of its own that builds its own world (the first run's path)."""
+
+    def build(saved: Path) -> None:
+        ctid = next(_ctids)
+        standin.add_container(ctid)
+        home = saved / "home"
+        home.mkdir()
+        launched = Gpuctl(standin, ctid, home)("launch", "--config", "tiny", "--follow", timeout=600)
+        standin.kill_container_processes(ctid)
+        assert launched.code == 0, launched.stderr[-3000:]
+        for sub in RUN_DIRS:
+            shutil.copytree(standin.path_in(ctid, sub), saved / "rootfs" / sub, symlinks=True)
+        (saved / "launched.json").write_text(json.dumps({"ctid": ctid, **launched.__dict__}))
+
+    return built_once(tmp_path_factory, "tiny-run", build)
+
+
+@pytest.fixture
+def tiny_run(standin: StandInHost, ctid: int, _tiny_run_made: Path) -> TinyRun:
+    """The test's container (`gpuctl`'s) as a clone of the session's finished tiny run (as `pct clone` would
+    make one: its files, nothing running)."""
+    for sub in RUN_DIRS:
+        shutil.copytree(_tiny_run_made / "rootfs" / sub, standin.path_in(ctid, sub), symlinks=True,
+                        dirs_exist_ok=True)
+    saved = json.loads((_tiny_run_made / "launched.json").read_text())
+    return TinyRun(Result(saved["code"], saved["stdout"], saved["stderr"]), saved["ctid"])
 
 
 # Multi-node runs (launch --node): containers as nodes, on the stand-in host and on a second one behind it.

@@ -8,7 +8,7 @@ import jinja2
 import pytest
 
 from gpuctl import __version__ as gpuctl_version
-from gpuctl import address, commands, paths
+from gpuctl import address, commands, paths, timeouts
 from gpuctl.errors import ExitCode, GpuctlError
 from gpuctl.remote import scripts, ssh
 from gpuctl.remote.protocol import (
@@ -96,7 +96,7 @@ def test_an_unknown_config_key_is_one_warning_naming_the_nearest(xdg, capsys):
     assert said.count("gpuctl: ") == 1 and "unknown key 'zzz' is ignored (known keys: clusters, connect_timeout" in said
 
 
-@pytest.mark.parametrize("args", [[], ["--version"], ["--help"], ["status", "--help"]])
+@pytest.mark.parametrize("args", [[], ["--version"], ["--help"], ["status", "--help"], ["launch", "--help"]])
 def test_the_cli_starts_without_what_its_commands_use(args):
     """Importing the CLI, --version and --help import neither the SSH layer (paramiko) nor torch, Rich, jinja2 or
     tenacity: each command imports what it uses when it runs (a CLI that starts at once)."""
@@ -113,6 +113,49 @@ def test_the_cli_starts_without_what_its_commands_use(args):
     assert done.stderr.splitlines()[-1] == "[]", done.stderr
     if args == ["--version"]:
         assert done.stdout == f"gpuctl {gpuctl_version}\n"
+
+
+def _cli(*args: str) -> str:
+    import subprocess
+    import sys
+
+    from tests.cli.conftest import REPO
+
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("GPUCTL_")} | {"COLUMNS": "80"}
+    done = subprocess.run([sys.executable, "-m", "gpuctl", *args], cwd=REPO, capture_output=True, text=True,
+                          check=True, timeout=60, env=env)
+    return done.stdout
+
+
+def test_help_lines_are_whole_and_launch_help_lists_the_presets():
+    """Issue 39: `gpuctl --help` cut each command's line with "..."; `launch --help` named no preset."""
+    import inspect as inspecting
+
+    from gpuctl.cli.app import app
+    from gpuctl.config_schema import load_schema
+
+    top = " ".join(_cli("--help").split("Commands:")[1].split())
+    assert "..." not in top and "…" not in top
+    for info in app.registered_commands:
+        first = " ".join(inspecting.cleandoc(info.callback.__doc__).split("\n\n")[0].split())
+        assert re.split(r"(?<=\.)\s", first, maxsplit=1)[0] in top, info.callback.__name__
+    lines = _cli("launch", "--help").splitlines()
+    schema = load_schema()
+    for name in schema["presets"]:
+        summary = schema["preset_summaries"][name]
+        assert summary and any(line.split() == [name, *summary.split()] for line in lines), (name, lines[-8:])
+
+
+def test_presets_prints_each_preset_with_its_key_settings():
+    import json
+
+    text = _cli("presets")
+    assert "tiny\n    A tiny random Qwen3 target and its data" in text
+    assert 'tiny-regenerate  (--task regenerate)\n' in text
+    assert 'random_target = "qwen3-8b", devices = [0], dtype = "bfloat16", max_steps = 100,' in text
+    doc = {p["name"]: p for p in json.loads(_cli("presets", "--json"))}
+    assert doc["tiny"]["task"] == "train" and doc["tiny"]["settings"]["max_steps"] == 60
+    assert doc["smollm2-135m-regenerate"]["task"] == "regenerate"
 
 
 def test_the_ssh_layer_imports_invoke_only_for_a_match_exec(tmp_path):
@@ -244,8 +287,9 @@ def test_progress_and_eta_from_the_metrics_lines():
 
 def test_run_refs_and_signals():
     assert (parse_run_ref(None), parse_run_ref("7"), parse_run_ref("tl12")) == (0, 7, 12)
+    assert parse_run_ref("x") == "x"  # a run's name (launch --name): the container looks it up
     assert [parse_signal(s) for s in ("term", "SIGINT", "9")] == ["TERM", "INT", "KILL"]
-    for bad in ("tl0", "x", "-1"):
+    for bad in ("tl0", "X", "-1", "a.b", "a*"):
         with pytest.raises(GpuctlError):
             parse_run_ref(bad)
 
@@ -334,3 +378,30 @@ def test_nodes_from_options_profiles_and_clusters(xdg, monkeypatch, capsys):
         assert cli.run(["launch", *args, "--dry-run"]) == ExitCode.USAGE
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
+
+
+def test_timeouts_come_from_the_config_files_table(xdg):
+    assert timeouts.timeouts() == timeouts.Timeouts()  # no config file: the defaults
+    write_config(xdg, "[timeouts]\nheartbeat = 10\nprobe = 1.5\n")
+    timeouts.timeouts.cache_clear()
+    limits = timeouts.timeouts()
+    assert (limits.heartbeat, limits.probe, limits.start) == (10.0, 1.5, 30.0)
+    assert limits.idle == 40.0  # not given: at least 4 heartbeats, so a link is not taken for dead between two
+    assert timeouts.from_table({"heartbeat": 0.3, "idle": 2}, "x").idle == 2.0  # given: as given
+
+
+@pytest.mark.parametrize("table, message", [
+    ("heartbeet = 1", "unknown key timeouts.heartbeet (did you mean 'heartbeat'?)"),
+    ("idle = -1", "timeouts.idle must be seconds in (0, 86400], got -1"),
+    ('probe = "10"', "timeouts.probe must be seconds in (0, 86400], got '10'"),
+])
+def test_a_mistake_in_the_timeouts_table_is_exit_2_before_anything_is_sent(xdg, capsys, table, message):
+    from gpuctl import cli
+
+    write_config(xdg, f'host = "h"\nct = 200\n[timeouts]\n{table}\n')
+    timeouts.timeouts.cache_clear()
+    assert cli.run(["launch", "--dry-run"]) == ExitCode.USAGE
+    captured = capsys.readouterr()
+    said = " ".join(captured.err.split())
+    assert said == f"gpuctl: error: {xdg}/config/gpuctl/config.toml: {message}", said
+    assert captured.out == ""

@@ -107,8 +107,10 @@ def test_unreachable_host_and_bad_login_exit_3(gpuctl, standin, tmp_path):
     (["status", "--ct", "abc"], "Invalid value for '--ct'"),
     (["status", "--ct", "12"], "container id must be a number from 100"),
     (["status", "--port", "99999"], "port must be a number from 1 to 65535"),
-    (["status", "--run", "x7"], "--run takes a run number"),
-    (["launch", "--set", "novalue"], "--set takes KEY=VALUE"),
+    (["status", "--run", "x 7"], "--run takes a run number like 7 or tl7, or a run's name"),
+    (["launch", "--set", "novalue"], "--set takes KEY=VALUE, got 'novalue' (see gpuctl launch --help)"),
+    (["launch", "--set"], "Option '--set' requires an argument. (see gpuctl launch --help)"),  # no context given
+    (["doctor", "--python"], "(see gpuctl doctor --help)"),
     (["launch", "--workdir", "relative/dir"], "--workdir must be an absolute path"),
     (["launch", "--json", "--follow"], "--json and --follow cannot be combined"),
     (["kill", "--signal", "FOO"], "--signal must be one of"),
@@ -138,7 +140,7 @@ def test_shell_metacharacters_in_every_value_are_inert(gpuctl, tmp_path):
     pwned = ["/tmp/pwned", "/tmp/pwned2", "/tmp/pwned3", "/tmp/pwned4", "/root/pwned5", "/workspace/pwned5"]
     # string keys the fake trainer ignores (gpuctl refuses unknown keys before sending anything)
     sets = ["target_path=$(touch /tmp/pwned);rm -rf", "data_path=`touch /tmp/pwned2`",
-            "eval_data_path='; touch /tmp/pwned3; '", 'random_target="$HOME" \\ *', "fake.steps=2"]
+            "eval_data_path='; touch /tmp/pwned3; '", 'init_from="$HOME" \\ *', "fake.steps=2"]
     workdir = "/workspace/odd dir $(touch /tmp/pwned4) ;'\"`x`"
     log_dir = "/workspace/logs; touch /tmp/pwned #"
     local = tmp_path / "run $(touch pwned5);'x`y`.toml"  # a local file is staged as configs/NAME

@@ -10,7 +10,7 @@ import time
 import pytest
 from tenacity import retry, stop_after_delay, wait_fixed
 
-from tests.cli.conftest import Output
+from tests.cli.conftest import Output, timeouts_config
 from tests.sandbox.forwarder import Forwarder
 
 pytestmark = pytest.mark.sshd
@@ -70,11 +70,11 @@ def follow_through(gpuctl, link, **env: str) -> subprocess.Popen:
     return follower
 
 
-def test_follow_hears_a_silent_link_and_gives_up_on_a_gone_host(gpuctl, link):
+def test_follow_hears_a_silent_link_and_gives_up_on_a_gone_host(gpuctl, link, tmp_path):
     """A link that goes silent (no FIN, no RST) is noticed by the missing heartbeat; a host that stays
     unreachable longer than the reconnect bound ends the follow with exit 3."""
     forwarder, _ = link
-    follower = follow_through(gpuctl, link, GPUCTL_HEARTBEAT="0.3", GPUCTL_RECONNECT_TIMEOUT="2")
+    follower = follow_through(gpuctl, link, **timeouts_config(tmp_path / "config", heartbeat=0.3, reconnect=2))
     forwarder.freeze()  # the open connection hears nothing more; new ones work
     accepted(forwarder, 2)  # heard nothing, reconnected
     time.sleep(0.5)

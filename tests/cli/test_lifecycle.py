@@ -301,11 +301,12 @@ def test_config_file_gives_the_target(gpuctl, standin):
 
 def test_local_config_file_is_staged(gpuctl, tmp_path):
     config = tmp_path / "my run.toml"
-    config.write_text("max_steps = 3\n")
+    text = "max_steps = 3\nrandom_target = \"qwen3-8b-narrow\"\n"  # a whole config: the trainer's rules pass it
+    config.write_text(text)
     result = gpuctl("launch", "--python", "fake-trainer", "--config", str(config), "--set", "fake.steps=1",
                     "--follow")
     assert result.code == 0, result.stderr
-    assert gpuctl.path("/root/gpuctl/configs/my run.toml").read_text() == "max_steps = 3\n"
+    assert gpuctl.path("/root/gpuctl/configs/my run.toml").read_text() == text
     argv = json.loads(result.stdout.splitlines()[0].removeprefix("argv: "))
     assert argv[argv.index("--config") + 1] == "/root/gpuctl/configs/my run.toml"
 
@@ -325,3 +326,16 @@ def test_status_reads_progress_and_eta_while_running(gpuctl):
     started = time.time()
     assert gpuctl("kill", "--grace", "5").code == 0
     assert time.time() - started < 10
+
+
+def test_a_trainer_that_ends_takes_the_children_it_left_in_the_run_with_it(gpuctl, standin, ctid):
+    # A failed trainer (as a multi-node one that lost a node ends: at once) leaves a child and a grandchild.
+    launched = gpuctl.launch_fake("steps=2", "child=1", "exit=1")
+    assert launched.code == 0, launched.stderr
+
+    @retry(stop=stop_after_delay(30), wait=wait_fixed(0.2), reraise=True)
+    def nothing_left() -> None:
+        assert gpuctl.status()["state"] == "failed"
+        assert standin.container_processes(ctid) == []  # wrapper, trainer, child, grandchild: all gone
+
+    nothing_left()

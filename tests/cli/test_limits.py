@@ -17,11 +17,16 @@ from tenacity import retry, stop_after_delay, wait_fixed
 
 from gpuctl.address import Address, remember
 from gpuctl.remote import ssh
+from tests.cli.conftest import timeouts_config
 from tests.sandbox.host import StandInHost
 
 pytestmark = pytest.mark.sshd
 
-QUICK = {"GPUCTL_PROBE_TIMEOUT": "1", "GPUCTL_HEARTBEAT": "0.3", "GPUCTL_IDLE_TIMEOUT": "2"}
+QUICK = {"probe": 1, "heartbeat": 0.3, "idle": 2}  # config.toml's [timeouts] for these tests
+
+
+def quick(tmp_path, **limits: float) -> dict[str, str]:
+    return timeouts_config(tmp_path / "config", **(QUICK | limits))
 
 
 def smi_processes(standin, ctid) -> list[int]:
@@ -41,36 +46,36 @@ def smi_running(standin, ctid) -> None:
     assert smi_processes(standin, ctid), "nvidia-smi not started yet"
 
 
-def test_a_hung_nvidia_smi_is_a_row_and_leaves_nothing_behind(gpuctl, standin, ctid):
+def test_a_hung_nvidia_smi_is_a_row_and_leaves_nothing_behind(gpuctl, standin, ctid, tmp_path):
     standin.hang_gpus(ctid)
     started = time.monotonic()
-    result = gpuctl("status", "--json", env=QUICK, timeout=30)
+    result = gpuctl("status", "--json", env=quick(tmp_path), timeout=30)
     assert result.code == 0, result.stderr
     doc = result.json()
     assert doc["gpus"] == [] and doc["gpus_error"] == "nvidia-smi did not answer in 1 s"
     assert doc["container"]["status"] == "running"
-    human = gpuctl("status", env=QUICK, timeout=30)
+    human = gpuctl("status", env=quick(tmp_path), timeout=30)
     assert "GPUs: unknown (nvidia-smi did not answer in 1 s)" in human.stdout, human.stdout
     assert time.monotonic() - started < 20  # two statuses, each bounded by the probe's second
     assert smi_processes(standin, ctid) == []  # timeout stopped it: nothing stays in the container
 
 
-def test_a_hung_probe_is_cut_by_the_commands_bound(gpuctl, standin, ctid):
+def test_a_hung_probe_is_cut_by_the_commands_bound(gpuctl, standin, ctid, tmp_path):
     """A probe slower than the command's own bound: `status` ends there (exit 3, one line), heartbeats or not."""
     standin.hang_gpus(ctid)
     started = time.monotonic()
-    result = gpuctl("status", env=QUICK | {"GPUCTL_PROBE_TIMEOUT": "60", "GPUCTL_COMMAND_BOUND": "2"}, timeout=30)
+    result = gpuctl("status", env=quick(tmp_path, probe=60, command_bound=2), timeout=30)
     assert result.code == 3, result.stderr
     assert "did not finish within 2 s" in result.stderr and "Traceback" not in result.stderr
     assert time.monotonic() - started < 15
 
 
-def test_a_frozen_sshd_ends_status_with_exit_3(gpuctl, standin, ctid):
+def test_a_frozen_sshd_ends_status_with_exit_3(gpuctl, standin, ctid, tmp_path):
     """The host's sshd stops mid-command (SIGSTOP: the TCP connection stays open and silent): status ends with
     exit 3 once nothing was heard for the idle deadline. Until the freeze the heartbeats keep the slow command
     alive far past that deadline."""
     standin.hang_gpus(ctid)
-    proc = gpuctl.popen("status", env=QUICK | {"GPUCTL_PROBE_TIMEOUT": "60"})
+    proc = gpuctl.popen("status", env=quick(tmp_path, probe=60))
     frozen = []
     try:
         smi_running(standin, ctid)
@@ -122,6 +127,22 @@ def test_a_refused_login_is_exit_3_with_sshds_reason(gpuctl, pam_host):
     assert result.code == 3, result.stderr
     assert "refused the login" in result.stderr and "This account is currently not available" in result.stderr
     assert "run records" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("user", ["nobody", "sync"])  # shells: nologin (says why), /bin/sync (runs nothing)
+def test_a_refused_login_is_exit_3_on_every_command_the_streaming_ones_too(gpuctl, pam_host, tmp_path, user):
+    """The login shell never runs gpuctl's command, so the marker the command echoes first never comes: exit 3
+    with the one line, before any byte of what the shell said is passed on as a log's or a reply's (issue 38)."""
+    pam_host.add_container(gpuctl.ctid)
+    env = pam_host.env(gpuctl.ctid)
+    for args in (["logs"], ["logs", "-f"], ["pull", str(tmp_path / "pulled")], ["status"], ["kill"],
+                 ["launch", "--python", "fake-trainer"]):
+        result = gpuctl(*args, "--user", user, env=env, timeout=60)
+        assert result.code == 3, (args, result.stderr)
+        assert result.stdout == "" and "refused the login" in result.stderr, (args, result.stdout, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
+        if user == "nobody":
+            assert "This account is currently not available" in result.stderr
 
 
 def test_a_log_of_progress_bars_costs_status_a_bounded_transfer(two_containers):
@@ -184,10 +205,10 @@ def test_a_state_dir_that_cannot_be_written_is_a_warning_after_the_run_is_shown(
     assert "warning: the target is not remembered for the next command" in result.stderr
 
 
-def test_doctor_with_a_hung_nvidia_smi_ends_and_says_so(gpuctl, standin, ctid):
+def test_doctor_with_a_hung_nvidia_smi_ends_and_says_so(gpuctl, standin, ctid, tmp_path):
     standin.hang_gpus(ctid)
     started = time.monotonic()
-    result = gpuctl("doctor", "--json", env=QUICK, timeout=60)
+    result = gpuctl("doctor", "--json", env=quick(tmp_path), timeout=60)
     assert time.monotonic() - started < 30  # the probe's second, once, and the interpreter's own checks
     checks = {c["name"]: c for c in result.json()["checks"]}
     assert "nvidia-smi did not answer in 1 s" in checks["gpus"]["detail"], checks["gpus"]

@@ -185,7 +185,7 @@ def test_an_unreachable_node_is_shown_and_kill_still_ends_the_others(two_hosts, 
     doc = result.json()
     assert doc["state"] == "failed" and doc["reason"].startswith(f"node 1 (CT {nodes.nodes[1][1]} on pve2) is lost")
     assert [n["state"] for n in doc["nodes"]] == ["running", None]
-    assert "cannot reach 127.0.0.1:9" in doc["nodes"][1]["error"]
+    assert "TCP connect failed: the jump host could not reach 127.0.0.1:9" in doc["nodes"][1]["error"]
     killed = nodes.gpuctl("kill", "--grace", "5")
     assert killed.code == 3 and "node 1" in killed.stderr
     assert "node 0" in killed.stdout and "killed tl1" in killed.stdout
@@ -344,7 +344,12 @@ def test_resume_keeps_the_runs_master_address_and_port_unless_given(two_containe
         "--master-addr", "127.0.0.1", "--master-port", str(port), "--env", "GLOO_SOCKET_IFNAME=lo"))
     assert launched.code == 0, launched.stderr
     status_until(nodes, state="succeeded")
-    resumed = nodes.gpuctl("launch", "--resume", "--json")  # no rendezvous options: the run's own
+    finished = nodes.gpuctl("launch", "--resume", "--json")  # tl1 did all its steps on every node: nothing to do
+    assert finished.code == 0 and finished.json() == {"run_id": None, "finished": "tl1", "step": 1}, finished.stderr
+    assert not nodes.path(0, "/workspace/.gpuctl/tl2.json").exists()
+    assert not nodes.path(1, "/workspace/.gpuctl/tl2.json").exists()
+    # no rendezvous options: the run's own (max_steps raised above the steps done)
+    resumed = nodes.gpuctl("launch", "--resume", "--set", "max_steps=50", "--json")
     assert resumed.code == 0, resumed.stderr
     assert (resumed.json()["master_addr"], resumed.json()["master_port"]) == ("127.0.0.1", port)
     for k in (0, 1):

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from tenacity import retry, stop_after_delay, wait_fixed
 
-from training.tiny import synthetic_words
+from tests.cli.conftest import NodeSet, seed_tiny_cache
+from training.target.tiny import synthetic_words
 
 pytestmark = [pytest.mark.sshd, pytest.mark.e2e]
 REL_TOL = 1e-5
@@ -51,6 +52,29 @@ def wait_for_step(nodes, step: int, timeout: float = 180) -> dict:
         return doc
 
     return reached()
+
+
+# Every container of these tests starts with the tiny preset's cache (tests/cli/conftest.py): they test the
+# nodes' training, not the world each would build first.
+@pytest.fixture
+def gpuctl(gpuctl, tiny_cache):
+    return gpuctl
+
+
+@pytest.fixture
+def two_containers(two_containers, tiny_world):
+    return seeded(two_containers, tiny_world)
+
+
+@pytest.fixture
+def two_hosts(two_hosts, tiny_world):
+    return seeded(two_hosts, tiny_world)
+
+
+def seeded(nodes: NodeSet, world) -> NodeSet:
+    for host, ctid, _ in nodes.nodes:
+        seed_tiny_cache(host, ctid, world)
+    return nodes
 
 
 @pytest.fixture(params=["two_containers", "two_hosts"])
@@ -98,6 +122,31 @@ def test_a_node_killed_mid_run_fails_the_run_naming_it_and_the_other_ends(two_co
     assert doc["state"] == "failed" and doc["reason"].startswith(f"node 1 (CT {nodes.nodes[1][1]} on "), doc
     assert doc["nodes"][0]["exit_code"] == 6  # the trainer's NODE_LOST
     assert "node 1 stopped answering" in doc["nodes"][0]["last_line"]
+
+
+def test_a_node_that_hangs_or_goes_off_the_network_ends_the_others_within_30_s(two_containers):
+    """Node 1's trainer stopped (SIGSTOP: its sockets stay open, nothing closes, as when its host or network
+    goes): node 0's trainer ends on the heartbeats and its wrapper with it, no process of the run left on node
+    0 within 30 s; status names node 1 in node 0's line."""
+    nodes = two_containers
+    launched = nodes.gpuctl("launch", *nodes.node_args(), *nodes.rendezvous_args(), "--config", "tiny",
+                            *sets(LONG), "--json")
+    assert launched.code == 0, launched.stderr
+    pid = wait_for_step(nodes, 2)["nodes"][1]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        @retry(stop=stop_after_delay(30), wait=wait_fixed(0.5), reraise=True)
+        def node_0_ended() -> dict:
+            assert nodes.processes(0) == []
+            doc = nodes.gpuctl.status()
+            assert doc["nodes"][0]["state"] != "running", doc
+            return doc
+
+        doc = node_0_ended()
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    assert doc["state"] == "failed" and doc["nodes"][0]["exit_code"] == 6, doc
+    assert "node 1 stopped answering" in doc["reason"], doc
 
 
 def test_kill_stops_every_node_at_one_step_and_leaves_no_process(two_containers):

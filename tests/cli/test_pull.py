@@ -69,6 +69,7 @@ def test_pull_brings_the_export_byte_for_byte_and_then_skips_it(gpuctl, tmp_path
     human = gpuctl("pull", str(dest))
     assert human.code == 0 and human.stdout.startswith("pulled tl1's export (2 files"), human.stderr
     assert "already there" in human.stdout and human.stderr == ""
+    assert ": received 0 B, " in human.stdout and "sent" not in human.stdout  # the files came here (issue 39)
 
 
 def test_a_cut_pull_leaves_nothing_complete_and_the_next_sends_only_the_rest(gpuctl, standin, tmp_path):
@@ -340,7 +341,7 @@ def test_bytes_after_the_last_file_are_counted_not_kept(tmp_path):
 
 
 @pytest.mark.e2e
-def test_pull_metrics_into_a_directory_brings_the_tensorboard_events(gpuctl, tmp_path):
+def test_pull_metrics_into_a_directory_brings_the_tensorboard_events(gpuctl, tiny_cache, tmp_path):
     """A tiny run with report_to = ["tensorboard"]: `pull --what metrics DIR/` brings its JSON lines and its event
     files (tensorboard/ in DIR), which TensorBoard's own reader reads back with the logged loss at the logged
     steps; a file DEST takes the JSON lines alone and says where the events stayed."""

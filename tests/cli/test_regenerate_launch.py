@@ -32,18 +32,15 @@ def read_records(path: Path) -> dict:
 
 @pytest.mark.sshd
 @pytest.mark.e2e
-def test_regenerate_killed_half_way_then_resumed_writes_every_id_once(gpuctl, tmp_path, monkeypatch):
+def test_regenerate_killed_half_way_then_resumed_writes_every_id_once(gpuctl, tiny_world, tmp_path, monkeypatch):
     from training.config import load_config
-    from training.regenerate import RegenerateConfig, regenerate
-    from training.tiny import ensure_tiny
+    from training.regenerate.run import RegenerateConfig, regenerate
 
-    # The tiny world (the preset's own, built once per machine), its target copied into the container, and PROMPTS of
-    # its conversations as the prompts, with ids.
-    preset = load_config("tiny-regenerate", [], kind=RegenerateConfig)
-    ensure_tiny(preset.target_path, preset.prompts_path, "")
-    world_target = Path(preset.target_path).expanduser()
+    # The tiny world (the session's, the preset's own builder's), its target copied into the container, and PROMPTS
+    # of its conversations as the prompts, with ids.
+    world_target = tiny_world.target
     shutil.copytree(world_target, gpuctl.path("/workspace/tiny-target"))
-    conversations = Path(preset.prompts_path).expanduser().read_text().splitlines()[:PROMPTS]
+    conversations = tiny_world.train.read_text().splitlines()[:PROMPTS]
     prompts = "".join(json.dumps({"id": f"p{i}", "messages": json.loads(line)["messages"]}) + "\n"
                       for i, line in enumerate(conversations))
     gpuctl.path("/workspace/prompts.jsonl").write_text(prompts)
@@ -88,7 +85,8 @@ def test_regenerate_killed_half_way_then_resumed_writes_every_id_once(gpuctl, tm
     assert (status["run_id"], status["state"], status["resumed_from"]) == ("tl2", "succeeded", "tl1")
     assert (status["progress"]["step"], status["progress"]["total_steps"]) == (PROMPTS, PROMPTS)
     text = gpuctl("status").stdout
-    assert f"records {PROMPTS}/{PROMPTS} (100%)" in text and "tiny-regenerate (task regenerate, resumed tl1)" in text
+    assert f"records {PROMPTS}/{PROMPTS} (100%)" in text and "config    tiny-regenerate --set " in text
+    assert "(task regenerate, resumed tl1)" in text  # the config line ends with its --set values, then the notes
     runs = gpuctl("runs", "--json").json()
     assert [(r["run_id"], r["task"], r["state"]) for r in runs] == [("tl1", "regenerate", "killed"),
                                                                       ("tl2", "regenerate", "succeeded")]

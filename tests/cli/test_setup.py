@@ -41,7 +41,7 @@ def the_log(g: Gpuctl, number: int) -> str:
 
 @pytest.mark.sshd
 @pytest.mark.e2e
-def test_setup_from_a_local_source_then_nothing_to_install_then_launch_uses_it(copy, standin):
+def test_setup_from_a_local_source_then_nothing_to_install_then_launch_uses_it(copy, standin, tiny_cache):
     standin.set_gpus(copy.ctid, [])  # the image's torch is a CPU build: right for a container without GPUs
     build_wheel(copy.path("/workspace/wheels"), "gpuctl-standin-req", "1.0", "WHERE = 'the stand-in wheel'\n")
     # A config whose report_to names wandb, which this interpreter lacks: setup installs it (a stand-in wheel).

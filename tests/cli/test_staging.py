@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 from tenacity import retry, stop_after_delay, wait_fixed
 
-from gpuctl import cli
+from gpuctl import cli, config_schema
 from gpuctl.ui import render
 from tests.cli.conftest import REPO, Gpuctl
+from tests.sandbox.host import with_fake_keys
 
 pytestmark = pytest.mark.sshd
 
@@ -60,15 +61,15 @@ def test_relaunch_sends_only_the_changed_files(copy):
     assert unchanged["digest"] == first["digest"]
     assert "files" not in trace.split("sent:")[1]  # the SSH layer wrote no file bytes at all
 
-    metrics = copy.source / "training" / "metrics.py"
+    metrics = copy.source / "training" / "output" / "metrics.py"
     metrics.write_text(metrics.read_text() + "# edited\n")
-    (copy.source / "training" / "tiny.py").unlink()
+    (copy.source / "training" / "target" / "tiny.py").unlink()
     one, trace = launch(copy)
-    assert one["sent_files"] == ["training/metrics.py"]
+    assert one["sent_files"] == ["training/output/metrics.py"]
     assert 0 < one["sent_bytes"] < first["sent_bytes"] / 5
     assert f"files {one['sent_bytes']} B" in trace  # what the SSH layer counted
-    assert copy.path("/root/gpuctl/training/metrics.py").read_text().endswith("# edited\n")
-    assert not copy.path("/root/gpuctl/training/tiny.py").exists()  # removed here, removed there
+    assert copy.path("/root/gpuctl/training/output/metrics.py").read_text().endswith("# edited\n")
+    assert not copy.path("/root/gpuctl/training/target/tiny.py").exists()  # removed here, removed there
     assert staged_manifest(copy) == {name: line.split()[0] for line in
                                      copy.path("/root/gpuctl/current/.gpuctl-manifest").read_text().splitlines()
                                      for name in [line.split("  ", 1)[1]]}
@@ -117,12 +118,14 @@ def test_progress_bar_for_a_long_transfer_never_with_json(copy, standin, monkeyp
     monkeypatch.setenv("TTY_INTERACTIVE", "1")
     monkeypatch.chdir(copy.source)
     monkeypatch.setattr("gpuctl.paths.SOURCE_ROOT", Path(copy.source))
+    bundled = config_schema.load_schema  # the stand-in trainer's fake.* keys, as tests.sandbox.cli gives them
+    monkeypatch.setattr(config_schema, "load_schema", lambda: with_fake_keys(bundled()))
     assert cli.run(["launch", *FAKE]) == 0
     err = capsys.readouterr().err
     assert "staging" in err and "KiB" in err
     ended(copy)
 
-    (copy.source / "training" / "metrics.py").write_text("# changed\n")
+    (copy.source / "training" / "output" / "metrics.py").write_text("# changed\n")
     assert cli.run(["launch", *FAKE, "--json"]) == 0
     out, err = capsys.readouterr()
     assert "staging" not in err and out.startswith("{")

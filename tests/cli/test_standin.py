@@ -121,7 +121,7 @@ def test_an_interpreter_under_tmp_runs_a_launch_to_its_end(tmp_path):
     standin = tmp_path / "standin"
     up(python, env, "--dir", str(standin))
     try:
-        launched = run_with(python, env, "-m", "gpuctl", "launch", "--python", "fake-trainer", "--set",
+        launched = run_with(python, env, "-m", "tests.sandbox.cli", "launch", "--python", "fake-trainer", "--set",
                             "fake.steps=2", "--follow")
         assert launched.returncode == 0, launched.stderr
         assert launched.stdout.rstrip().endswith("done, exit 0")

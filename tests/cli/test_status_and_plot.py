@@ -79,7 +79,10 @@ def test_plot_without_matplotlib_is_one_clear_line(gpuctl, tmp_path):
     result = subprocess.run([sys.executable, "-c", hide, "plot", "-o", str(tmp_path / "x.png")], cwd=REPO,
                             env=gpuctl.env, capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 2
-    assert result.stderr == "gpuctl: error: gpuctl plot needs matplotlib: pip install 'gpuctl[plot]'\n"
+    # this project's own install: on the package index `gpuctl` is an unrelated package (issue 39)
+    assert result.stderr == ("gpuctl: error: gpuctl plot needs matplotlib: pip install matplotlib (or this project's "
+                             f"extra: pip install '{REPO}[plot]'), with the python that runs gpuctl ({sys.executable})\n")
+    assert "gpuctl[plot]" not in result.stderr
 
 
 def test_status_watch_refreshes_in_place_until_ctrl_c(gpuctl):
@@ -130,3 +133,21 @@ def test_version_completion_and_no_color(gpuctl):
     plain = gpuctl("status", env=TERMINAL | {"NO_COLOR": "1"})
     assert COLOR.search(colored.stdout) and "failed (exit 3)" in colored.stdout
     assert not COLOR.search(plain.stdout) and "failed (exit 3)" in plain.stdout
+
+
+def test_plot_shows_record_text_as_typed_never_as_mathtext(tmp_path):
+    """A config's name is the record's text: `$x^2$` stays those characters, and a TeX macro matplotlib does not
+    know (`$\\undefinedmacro{$`) draws instead of failing with a traceback (issue 38)."""
+    import matplotlib
+
+    from gpuctl.commands.status import MetricsHistory
+    from gpuctl.runs import Run
+    from gpuctl.ui.plot import draw
+
+    config = r"$x^2$ $\undefinedmacro{$"
+    history = MetricsHistory([Run(1, {"config": config}, alive=False)],
+                             [{"step": s, "loss": 1 / s, "tokens_per_s": 10.0} for s in (1, 2, 3)], [])
+    figure = tmp_path / "tl1.svg"
+    with matplotlib.rc_context({"svg.fonttype": "none"}):  # text as <text> elements, not paths
+        assert draw(history, figure) == (3, 0)
+    assert f"tl1  ({config}; step 3)" in figure.read_text()

@@ -10,8 +10,8 @@ from tenacity import retry, stop_after_delay, wait_fixed
 pytestmark = [pytest.mark.sshd, pytest.mark.e2e]
 
 
-def test_tiny_preset_end_to_end(gpuctl, tmp_path):
-    result = gpuctl("launch", "--config", "tiny", "--follow", timeout=600)
+def test_tiny_preset_end_to_end(gpuctl, tiny_run, tmp_path):
+    result = tiny_run.launched  # the session's `launch --config tiny --follow`, in the container this one clones
     assert result.code == 0, result.stderr[-3000:]
     assert "started tl1" in result.stderr and "tl1 ended: succeeded, exit 0" in result.stderr
     assert "step 60/60" in result.stdout
@@ -43,7 +43,7 @@ def launch_and_train_to_step_4(gpuctl) -> None:
     training()
 
 
-def test_kill_lets_the_trainer_checkpoint_and_exit(gpuctl):
+def test_kill_lets_the_trainer_checkpoint_and_exit(gpuctl, tiny_cache):
     """SIGTERM reaches the trainer once: it finishes its step, saves a checkpoint and exits 0."""
     launch_and_train_to_step_4(gpuctl)
     killed = gpuctl("kill", "--grace", "60")
@@ -55,7 +55,7 @@ def test_kill_lets_the_trainer_checkpoint_and_exit(gpuctl):
     assert list(gpuctl.path("/workspace/runs/tiny/tl1/checkpoints").iterdir()), "no checkpoint written"
 
 
-def test_launch_resume_continues_from_the_checkpoint(gpuctl, tmp_path):
+def test_launch_resume_continues_from_the_checkpoint(gpuctl, tiny_cache, tmp_path):
     """A run of 6 steps, then `launch --resume` to 12: a new numbered log, the same config and output_dir,
     the trainer's --resume, and step numbers that go on from the checkpoint."""
     first = gpuctl("launch", "--config", "tiny", "--set", "max_steps=6", "--set", "log_every=1", "--set",
@@ -82,7 +82,7 @@ def test_launch_resume_continues_from_the_checkpoint(gpuctl, tmp_path):
     assert plotted.code == 0 and "12 points of tl2" in plotted.stderr  # the whole chain: tl1's steps, tl2's
 
 
-def test_pull_exports_a_killed_run_on_demand(gpuctl, tmp_path):
+def test_pull_exports_a_killed_run_on_demand(gpuctl, tiny_cache, tmp_path):
     """The tiny preset killed after a checkpoint has no export of its own: `gpuctl pull` makes one in the container
     (the run's interpreter, the staged training.export) and brings config.json and model.safetensors."""
     launch_and_train_to_step_4(gpuctl)
@@ -100,7 +100,7 @@ def test_pull_exports_a_killed_run_on_demand(gpuctl, tmp_path):
     assert (dest / "model.safetensors").read_bytes() == (made / "model.safetensors").read_bytes()
 
 
-def test_two_runs_of_one_preset_each_pull_their_own_weights(gpuctl, tmp_path):
+def test_two_runs_of_one_preset_each_pull_their_own_weights(gpuctl, tiny_cache, tmp_path):
     """Runs of one preset write their own directories (runs/tiny/tl1, runs/tiny/tl2): `pull --run 1` and
     `--run 2` give different weights, each what its own run wrote and recorded."""
     for seed in (0, 1):
@@ -121,7 +121,7 @@ def test_two_runs_of_one_preset_each_pull_their_own_weights(gpuctl, tmp_path):
 
 
 
-def test_a_run_with_its_own_output_dir_pulls_what_it_wrote(gpuctl, tmp_path):
+def test_a_run_with_its_own_output_dir_pulls_what_it_wrote(gpuctl, tiny_cache, tmp_path):
     """An explicit output_dir keeps its meaning (the trainer records the directory's name as the home): pull
     knows the run by the id its checkpoint and export record."""
     ran = gpuctl("launch", "--config", "tiny", "--set", "max_steps=2", "--set", "eval_every=0", "--set",

@@ -18,6 +18,7 @@ into <output_dir>/export/ when it ends with exit 0. Behaviour comes from `--set 
   fake.require=PATH      fail (exit 3, before any step) unless PATH exists (`launch --retry` tests: the data
                          file that appears only later); the trainer's --resume is accepted and ignored
   fake.exit_seq=C1,C2,.. the Kth start in this output_dir exits CK before any step (the last one repeated)
+  fake.hold=PATH         step on past fake.steps until PATH exists, then finish: a run that ends when a test says
   fake.env=K1,K2,..      print `env: {JSON}` second: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and K1, K2..
                          as this process got them (null where unset): a multi-node launch's contract
   fake.fail_rank=K       the node with RANK=K fails after its first step: `error: fake failure on node K`, exit 1
@@ -177,7 +178,10 @@ def main(argv: list[str]) -> int:
     metrics = os.environ.get("GPUCTL_METRICS")
     start = time.time()
     done = 0
-    for step in range(1, steps + 1):
+    hold = opts.get("hold")
+    for step in itertools.count(1):
+        if step > steps and not (hold and not Path(hold).exists()):
+            break
         time.sleep(step_s)
         if terms:
             if done:

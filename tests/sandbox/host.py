@@ -20,20 +20,22 @@ from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_expo
 
 HERE = Path(__file__).resolve().parent
 # The fake trainer's own `--set fake.KEY=VALUE` options (fake_trainer.py), which gpuctl checks like any key: the
-# stand-in's config schema (GPUCTL_CONFIG_SCHEMA in env()) is the trainer's with these added, of any scalar type.
+# stand-in's config schema (what tests/sandbox/cli.py gives gpuctl) is the trainer's with these added, of any
+# scalar type.
 FAKE_KEYS = ("steps", "step_s", "exit", "child", "ignore_term", "term_exit", "save_every", "weights_bytes",
-             "state_bytes", "export", "require", "exit_seq", "env", "fail_rank", "say")
+             "state_bytes", "export", "require", "exit_seq", "env", "fail_rank", "say", "hold")
 ANY_SCALAR = {"type": {"union": ["int", "float", "bool", "str"]}, "name": "a fake trainer option"}
 
 
-def schema_with_fake_keys(dest: Path) -> Path:
-    """training/config_schema.json with the fake trainer's keys added to every task, written to dest."""
-    schema = json.loads((HERE.parent.parent / "training" / "config_schema.json").read_text())
+def with_fake_keys(schema: dict) -> dict:
+    """A trainer's config schema with the fake trainer's keys added to every task."""
     for task in schema["tasks"].values():
         task["keys"].update({f"fake.{key}": ANY_SCALAR for key in FAKE_KEYS})
-    dest.write_text(json.dumps(schema))
-    return dest
+    return schema
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+# This machine's settings that its sessions get on the stand-in host too (sshd starts them with an environment of
+# its own): how torch's OpenMP threads wait (tests/conftest.py).
+PASSED_ON = ("OMP_WAIT_POLICY",)
 ALIAS = "gpuctl-standin"
 DEFAULT_GPUS = [
     {"name": "NVIDIA H200", "utilization": 97, "memory_used_mib": 81234, "memory_total_mib": 143771},
@@ -132,26 +134,34 @@ class StandInHost:
         (self.root / "containers").mkdir(exist_ok=True)
         (self.root / "home").mkdir(exist_ok=True)
         install_script(HERE / "pct.py", self.root / "bin" / "pct")
-        schema_with_fake_keys(self.root / "config_schema.json")
         (self.root / "interpreter.json").write_text(json.dumps(interpreter_dirs()))
         for key in (self.host_key, self.client_key):
             if not key.exists():
                 subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "gpuctl-standin", "-f",
                                 str(key)], check=True)
         shutil.copy(self.client_key.with_suffix(".pub"), self.root / "authorized_keys")
+        os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation directory
+        for attempt in range(5):  # a port free a moment ago may be taken (another test session, another worker)
+            try:
+                self._start_sshd(daemon)
+                break
+            except (RuntimeError, subprocess.CalledProcessError):
+                if attempt == 4:
+                    raise
+        return self
+
+    def _start_sshd(self, daemon: bool) -> None:
         self.port = free_port()
         (self.root / "sshd_config").write_text(self._sshd_config())
         self.known_hosts.write_text(self.known_hosts_line())
         self.write_ssh_config(self.ssh_config)
         (self.root / "port").write_text(str(self.port))
-        os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation directory
         cmd = [SSHD, "-f", str(self.root / "sshd_config"), "-E", str(self.root / "sshd.log")]
         if daemon:
             subprocess.run(cmd, check=True, stdin=subprocess.DEVNULL)
         else:
             self._sshd = subprocess.Popen([*cmd, "-D"], stdin=subprocess.DEVNULL)
         self._wait_listening()
-        return self
 
     @retry(stop=stop_after_delay(10), wait=wait_exponential(multiplier=0.01, max=0.2),
            retry=retry_if_exception_type(OSError), reraise=True)
@@ -178,7 +188,8 @@ class StandInHost:
             "MaxSessions 100",
             f"LogLevel {self.log_level}",
             # HOME in the state dir: the shell sshd starts reads no dotfiles of the machine's real root.
-            f"SetEnv PATH={self.root / 'bin'}:/usr/sbin:/usr/bin:/sbin:/bin HOME={self.root / 'home'}",
+            f"SetEnv PATH={self.root / 'bin'}:/usr/sbin:/usr/bin:/sbin:/bin HOME={self.root / 'home'}"
+            + "".join(f" {name}={os.environ[name]}" for name in PASSED_ON if name in os.environ),
             "",
         ])
 
@@ -202,8 +213,7 @@ class StandInHost:
 
     def env(self, ctid: int | None = None) -> dict[str, str]:
         """The environment that points gpuctl at this host (and container)."""
-        env = {"GPUCTL_SSH_CONFIG": str(self.ssh_config), "GPUCTL_HOST": ALIAS,
-               "GPUCTL_CONFIG_SCHEMA": str(self.root / "config_schema.json")}
+        env = {"GPUCTL_SSH_CONFIG": str(self.ssh_config), "GPUCTL_HOST": ALIAS}
         if ctid is not None:
             env["GPUCTL_CT"] = str(ctid)
         return env

@@ -18,11 +18,13 @@ state dir is found from its own path). Output and errors follow the real `pct`:
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
+import termios
 from pathlib import Path
 
 STATE = Path(__file__).resolve().parent.parent
@@ -200,6 +202,10 @@ def enter_root(root: Path, mounts: list[tuple[str, Path, int]]) -> None:
     """In the exec's child, before its command starts: a private mount namespace, the binds, chroot to root.
     Calls to libc directly: no unshare, mount or chroot process per exec (gpuctl's latency is measured here)."""
     libc = ctypes.CDLL(None, use_errno=True)
+    if os.isatty(0):
+        # On a terminal (ssh's pty) the command gets it as its controlling terminal (taken from pct's session),
+        # with job control, as lxc-attach gives an exec on a terminal a pty of the container's own.
+        fcntl.ioctl(0, termios.TIOCSCTTY, 1)
 
     def check(result: int, what: str) -> None:
         if result != 0:

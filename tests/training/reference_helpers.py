@@ -8,7 +8,7 @@ from pathlib import Path
 import dflash.model as reference
 import torch
 
-from training.data import eval_prompts, load_conversations
+from training.data.chat import eval_prompts, load_conversations
 
 
 def served(path: Path, model_class=reference.DFlashDraftModel):

@@ -2,20 +2,28 @@
 rendezvous as node 1 with plain torch.distributed, beats like a node, and passes every object collective it can
 an object whose unpickling creates a marker file (code run in node 0).
 
-    python tests/training/stranger_node.py PORT MARKER [--forge-proof]
+    python tests/training/stranger_node.py PORT MARKER [--forge-proof] [--list-keys]
 
---forge-proof also writes node 1's answer to node 0's challenge, with a made-up proof (the keys of another
-rank). It prints what it reached; tests kill it when they are done."""
+--forge-proof first writes a hello as node 1, well formed and signed with another secret, and prints "forged a
+hello". --list-keys (issue 38) reads the store's keys (TCPStore.list_keys) until the run's own appear, and
+joins through a PrefixStore at their common prefix, beating at every heartbeat-looking key it saw. It prints
+what it reached; tests kill it when they are done."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from training.distributed.env import NodeEnv  # after the path: the run's format, as anyone can read it
+from training.distributed.secret import _seal_json
 
 
 class Marker:
@@ -28,19 +36,46 @@ class Marker:
         return (open, (self.path, "w"))
 
 
-def beat(store: dist.Store) -> None:
+def beat(store: dist.Store, keys: list[str]) -> None:
     while True:
-        store.add("gpuctl/beat/1", 1)
+        for key in keys:
+            store.add(key, 1)
         time.sleep(0.5)
 
 
-def main(port: int, marker: str, forge: bool) -> None:
-    store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=60), wait_for_workers=True)
+def forge(store: dist.Store, port: int) -> None:
+    """Node 1's hello, in the run's format, signed with a secret that is not the run's."""
+    store.wait(["auth/challenge"], timedelta(seconds=60))
+    challenge = json.loads(store.get("auth/challenge"))["challenge"]
+    key = f"auth/1/hello/{store.add('auth/1/hellos', 1)}"
+    env = NodeEnv(1, 2, "127.0.0.1", port)
+    store.set(key, _seal_json(b"not the run's secret, but long", env, key,
+                              {"challenge": challenge, "nonce": os.urandom(32).hex()}))
+
+
+def run_prefix(store: dist.TCPStore) -> str:
+    """The common prefix of the run's keys (not the handshake's), once some are in the store."""
+    while True:
+        keys = [key for key in store.list_keys() if "/auth/" not in f"/{key}"]
+        if keys:
+            common = os.path.commonprefix(keys)
+            return common[:common.rfind("/") + 1]
+        time.sleep(0.05)
+
+
+def main(port: int, marker: str, forged: bool, listing: bool) -> None:
+    store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=60), wait_for_workers=not listing)
     print("connected", flush=True)
-    if forge:
-        store.set("auth/1/hello", json.dumps({"nonce": "0" * 64, "proof": "1" * 64}))
-        print("forged a proof", flush=True)
-    threading.Thread(target=beat, args=(store,), daemon=True).start()
+    if forged:
+        forge(store, port)
+        print("forged a hello", flush=True)
+    beats = ["gpuctl/beat/1"]
+    if listing:
+        prefix = run_prefix(store)
+        beats += [key for key in store.list_keys() if "beat" in key]
+        print(f"listed the keys: joining under {prefix!r}", flush=True)
+        store = dist.PrefixStore(prefix, store)
+    threading.Thread(target=beat, args=(store, beats), daemon=True).start()
     dist.init_process_group("gloo", store=store, rank=1, world_size=2, timeout=timedelta(seconds=60))
     dist.new_group(backend="gloo")
     dist.barrier()
@@ -59,4 +94,4 @@ def main(port: int, marker: str, forge: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2], "--forge-proof" in sys.argv[3:])
+    main(int(sys.argv[1]), sys.argv[2], "--forge-proof" in sys.argv[3:], "--list-keys" in sys.argv[3:])

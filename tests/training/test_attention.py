@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from training.attention import attend, build_mask, compile_flex_attention
-from training.mask import dense_mask
+from training.model.attention import attend, build_mask, compile_flex_attention
+from training.model.mask import dense_mask
 
 
 def make_case(seed: int, device="cpu", dtype=torch.float32, batch=2, heads=4, kv_heads=2, head_dim=16,

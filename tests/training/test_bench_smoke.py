@@ -17,8 +17,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 import drafter_bench
 
-from training.loss import dflash_loss
-from training.step import drafter_stage
+from training.model.loss import dflash_loss
+from training.model.step import drafter_loss
 
 BENCH = [sys.executable, str(REPO / "bench" / "drafter_bench.py")]
 
@@ -66,11 +66,11 @@ def test_bad_arguments_give_one_line_and_exit_2(argv):
     assert result.stderr.startswith("error: ") and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
-def test_the_benchmarked_step_is_the_trainers_drafter_stage(small_bench):
+def test_the_benchmarked_step_is_the_trainers_drafter_loss(small_bench):
     b = small_bench
     mask = b.build_mask()
     loss = b.forward_loss(dflash_loss, 64, mask)
-    expected = drafter_stage(b.drafter, b.features, b.batch, b.backend, drafter_bench.GAMMA, 64, b.dtype,
+    expected = drafter_loss(b.drafter, b.features, b.batch, b.backend, drafter_bench.GAMMA, 64, b.dtype,
                              b.flex_attention).loss
     assert torch.equal(loss, expected)
 

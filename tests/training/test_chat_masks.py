@@ -3,7 +3,7 @@ Qwen3's real chat template (fixtures/qwen3_chat_template.jinja: the `chat_templa
 tokenizer_config.json, which renders earlier assistant turns without their `<think>` block and the last one with
 one, empty or not).
 
-The rule under test (training/data.py): loss on what follows the generation prompt of each assistant turn,
+The rule under test (training/data/chat.py): loss on what follows the generation prompt of each assistant turn,
 through its `<|im_end|>`; never the role header, the newline after `<|im_end|>`, or a system/user token.
 """
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from training.data import encode_chat, tokenize_conversation
-from training.tiny import synthetic_words, tiny_tokenizer
+from training.data.chat import ChatTokenizer, encode_chat
+from training.target.tiny import synthetic_words, tiny_tokenizer
 
 QWEN3_TEMPLATE = (Path(__file__).parent / "fixtures" / "qwen3_chat_template.jinja").read_text()
 WORDS = synthetic_words(300)
@@ -51,7 +51,7 @@ REPLY_END = [("<|im_end|>", 1), ("\n", 0)]  # a reply's end: the end-of-turn tok
 
 
 def masked_tokens(tokenizer, messages, **options) -> list[tuple[str, int]]:
-    sequence = tokenize_conversation(tokenizer, messages, options)
+    sequence = ChatTokenizer(tokenizer, options)(messages)  # the whole conversation, as the trainer reads it
     assert sequence.input_ids == encode_chat(tokenizer, messages, template_options=options)
     assert len(sequence.loss_mask) == len(sequence.input_ids)
     return list(zip(tokenizer.convert_ids_to_tokens(sequence.input_ids), sequence.loss_mask))

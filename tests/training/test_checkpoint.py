@@ -14,10 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from training import checkpoint
-from training.checkpoint import CheckpointWriteError, list_checkpoints, load_checkpoint, save_checkpoint
 from training.durable import writer_tag
-from training.model import Drafter, DrafterConfig
+from training.model.drafter import Drafter, DrafterConfig
+from training.output import checkpoint
+from training.output.checkpoint import (
+    CheckpointWriteError,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = DrafterConfig(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
@@ -128,7 +133,7 @@ SAVE_ON_A_SMALL_DISK = """
 import sys
 sys.path.insert(0, {tests!r})
 from test_checkpoint import save
-from training.checkpoint import CheckpointWriteError
+from training.output.checkpoint import CheckpointWriteError
 for directory in sys.argv[1:]:
     try:
         save(directory, 1)
@@ -167,7 +172,7 @@ KILLED_SAVE = """
 import os, signal, sys
 from pathlib import Path
 from tests.training.test_checkpoint import save
-from training import checkpoint
+from training.output import checkpoint
 out, at = Path(sys.argv[1]), sys.argv[2]
 save(out, 1)
 save(out, 2)

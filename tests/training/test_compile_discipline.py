@@ -1,4 +1,4 @@
-"""The compile discipline of the shared flex_attention (training/compile.py, ARCHITECTURE §6), on the CPU.
+"""The compile discipline of the shared flex_attention (training/compile/flex.py, ARCHITECTURE §6), on the CPU.
 
 Each test asserts invariants (no compile and no FX trace after warm-up, no eager run, the FX flag ends
 False) instead of hoping that a race shows. Grad modes: flex_attention's public API refuses backward on
@@ -33,7 +33,7 @@ from torch.nn.attention.flex_attention import _apply_kernel_options, flex_attent
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from training.compile import (
+from training.compile.flex import (
     AttentionShape,
     CallAudit,
     CompileDisciplineError,
@@ -45,7 +45,7 @@ from training.compile import (
     fx_tracing_flag,
     projected_qkv,
 )
-from training.mask import build_block_mask, dense_mask
+from training.model.mask import build_block_mask, dense_mask
 
 BLOCK = 16
 NUM_BLOCKS = 2

@@ -9,7 +9,7 @@ from training import config_schema
 def test_the_committed_schema_is_the_generated_one():
     committed = config_schema.SCHEMA_FILE.read_text()
     assert committed == config_schema.render(), (
-        f"{config_schema.SCHEMA_FILE.name} is out of date with training/config.py, training/regenerate.py or "
+        f"{config_schema.SCHEMA_FILE.name} is out of date with training/config.py, training/regenerate/run.py or "
         f"training/presets/: regenerate it with `{config_schema.COMMAND}` and commit it")
 
 

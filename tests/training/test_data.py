@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from training.data import (
+from training.data.chat import (
     BatchStream,
     DataError,
     Sequence,
@@ -17,7 +17,7 @@ from training.data import (
     load_conversations,
     prepare_sequences,
 )
-from training.tiny import tiny_tokenizer
+from training.target.tiny import tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -15,15 +15,15 @@ from reference_helpers import prompts
 from reference_helpers import served as served_as
 from safetensors.torch import load_file, save_file
 
-from training.acceptance import main as acceptance_main
-from training.attention import build_mask
-from training.checkpoint import check_checkpoint, latest_checkpoint
-from training.data import load_conversations
-from training.dflash2 import DFlash2Drafter, build_drafter
-from training.evaluate import acceptance_length, build_eval_set
-from training.export import main as export_main
-from training.export import served_name
-from training.target import Target
+from training.data.chat import load_conversations
+from training.model.attention import build_mask
+from training.model.dflash2 import DFlash2Drafter, build_drafter
+from training.output.checkpoint import check_checkpoint, latest_checkpoint
+from training.serve.acceptance import main as acceptance_main
+from training.serve.evaluate import acceptance_length, build_eval_set
+from training.serve.export import main as export_main
+from training.serve.export import served_name
+from training.target.frozen import Target
 from training.train import main as train_main
 
 NEW_TOKENS = 48
@@ -120,7 +120,7 @@ def reference_name(name: str) -> str:
 def test_an_untrained_dflash2_drafter_is_the_dflash_drafter(target):
     """The convolutions start as the identity: with the same DFlash weights the two drafters' hidden states are
     equal, and the selector's transition term starts small."""
-    from training.model import Drafter, DrafterConfig
+    from training.model.drafter import Drafter, DrafterConfig
 
     config = DrafterConfig.from_target(target.config, 2, 8, target.layers, target.mask_token_id)
     config2 = DrafterConfig.from_target(target.config, 2, 8, target.layers, target.mask_token_id,

@@ -58,16 +58,19 @@ def secret_file(path: Path, secret: str) -> Path:
 
 
 def start_node(args: list[str], rank: int, world_size: int, port: int, log: Path,
-               interface: str = "lo", secret: str | None = SECRET) -> subprocess.Popen:
-    """One trainer process as node `rank`; with `secret`, the run's node secret in a file of its own."""
+               interface: str = "lo", secret: str | None = SECRET, extra_env: dict[str, str] | None = None,
+               module: str = "training.train") -> subprocess.Popen:
+    """One trainer process (or another `module`) as node `rank`; with `secret`, the run's node secret in a file
+    of its own."""
     env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": interface}
-    for key in ("GPUCTL_METRICS", "GPUCTL_NODE_SECRET", "GPUCTL_NODE_SECRET_FILE"):
+    for key in ("GPUCTL_METRICS", "GPUCTL_NODE_SECRET", "GPUCTL_NODE_SECRET_FILE", "GPUCTL_TRUSTED_NETWORK"):
         env.pop(key, None)
+    env.update(extra_env or {})
     if secret is not None:
         env["GPUCTL_NODE_SECRET_FILE"] = str(secret_file(log.with_suffix(".secret"), secret))
     with open(log, "w") as out:
-        return subprocess.Popen([sys.executable, "-m", "training.train", *args], cwd=REPO, env=env, stdout=out,
+        return subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=env, stdout=out,
                                 stderr=subprocess.STDOUT)
 
 
@@ -354,3 +357,27 @@ def test_two_nodes_with_micro_batch_size_unset_train_what_one_node_trains_in_eac
     assert_close(losses(runs[1] / "tl7" / "metrics.node1.jsonl"), losses(one / "metrics.jsonl"))
     assert json.loads((runs[0] / "tl7" / "export" / "config.json").read_text())["gpuctl"]["home"] == "tl7"
     assert [p.name for p in runs[1].iterdir()] == ["tl7"]
+
+
+def grad_norms(metrics: Path) -> dict[int, float]:
+    return {r["step"]: r["grad_norm"] for r in records(metrics) if "grad_norm" in r}
+
+
+def test_the_step_loss_is_one_weighted_mean_however_the_step_is_split(one_node, two_nodes, tiny_world, tmp_path):
+    """A step of 4 sequences as 1 micro-batch of 4, 2 of 2, 4 of 1 (one_node), and on 2 nodes 2 x 1 each: the
+    same losses and gradient norms (sum of w * CE over the step's total weight, summed over replicas and
+    nodes), where averaging each micro-batch's own mean made them differ."""
+    runs = {}
+    for rows in (4, 2):
+        out = tmp_path / f"mb{rows}"
+        done = subprocess.run([sys.executable, "-m", "training.train",
+                               *trainer_args(tiny_world, out, f"micro_batch_size={rows}")], cwd=REPO,
+                              capture_output=True, text=True, timeout=240, check=False,
+                              env={k: v for k, v in os.environ.items() if k != "GPUCTL_METRICS"})
+        assert done.returncode == 0, done.stdout + done.stderr
+        runs[rows] = out / "metrics.jsonl"
+    want_loss, want_norm = losses(runs[4]), grad_norms(runs[4])
+    assert len(want_loss) == 8 and len(want_norm) == 8
+    for metrics in (runs[2], one_node / "metrics.jsonl", two_nodes[0] / "metrics.jsonl"):
+        assert_close(losses(metrics), want_loss)
+        assert_close(grad_norms(metrics), want_norm)

@@ -15,17 +15,17 @@ import torch
 from reference_helpers import prompts, served
 from safetensors.torch import load_file, save_file
 
-import training.export as export_module
-from training.acceptance import first_difference
-from training.acceptance import main as acceptance_main
-from training.attention import build_mask
-from training.checkpoint import check_checkpoint, latest_checkpoint, save_checkpoint
+import training.serve.export as export_module
 from training.config import ConfigError
-from training.data import encode_chat, load_conversations
-from training.evaluate import acceptance_length, build_eval_set
-from training.export import main as export_main
-from training.model import Drafter, DrafterConfig
-from training.target import MASK_TOKEN, Target
+from training.data.chat import encode_chat, load_conversations
+from training.model.attention import build_mask
+from training.model.drafter import Drafter, DrafterConfig
+from training.output.checkpoint import check_checkpoint, latest_checkpoint, save_checkpoint
+from training.serve.acceptance import first_difference
+from training.serve.acceptance import main as acceptance_main
+from training.serve.evaluate import acceptance_length, build_eval_set
+from training.serve.export import main as export_main
+from training.target.frozen import MASK_TOKEN, Target
 from training.train import main as train_main
 from training.trainer import cosine_schedule
 
@@ -231,7 +231,7 @@ def test_served_trained_drafter_beats_the_untrained_one_and_the_loop_emits_the_t
 def test_the_trainer_tau_equals_the_served_tau_of_the_acceptance_command(trained_run, target, tiny_world,
                                                                         tmp_path):
     """The acceptance command on the run's float32 export: the reference loop's tau and the trainer's
-    (training/evaluate.py, counting steps as the loop counts them) agree step by step on every prompt, and the
+    (training/serve/evaluate.py, counting steps as the loop counts them) agree step by step on every prompt, and the
     trainer's equals what the run itself logged on the same prompts."""
     path = export(trained_run, tmp_path / "fp32", "--dtype", "float32")
     prompt_file = tmp_path / "prompts.jsonl"
@@ -406,6 +406,38 @@ def test_an_export_cut_short_never_looks_complete(existing, trained_run, tmp_pat
         assert {p.name: p.read_bytes() for p in out.iterdir()} == previous
 
 
+# A process that exports and kills itself with SIGKILL at one point of the export (no handler, no finally runs).
+KILLED_AT = """
+import os, signal, sys
+import training.serve.export as export
+real_fsync, real_replace, where = export.fsync_path, os.replace, sys.argv[1]
+def fsync_path(path):
+    if where == "written" and path.name == "config.json":
+        os.kill(os.getpid(), signal.SIGKILL)
+    real_fsync(path)
+def replace(src, dst):
+    if where == "set-aside" and ".replaced-" not in str(dst) and ".replaced-" not in str(src):
+        os.kill(os.getpid(), signal.SIGKILL)  # the old export set aside, the new one not in place yet
+    real_replace(src, dst)
+export.fsync_path, os.replace = fsync_path, replace
+export.main(sys.argv[2:])
+"""
+
+
+@pytest.mark.parametrize("where", ["written", "set-aside"])
+def test_an_export_killed_with_sigkill_leaves_nothing_after_the_next_export(where, trained_run, tmp_path):
+    out = tmp_path / "draft"
+    export(trained_run, out)
+    killed = subprocess.run([sys.executable, "-c", KILLED_AT, where, str(trained_run), str(out), "--force"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert killed.returncode == -9, killed.stderr
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".draft."))
+    assert left and all(".export-" in n or ".replaced-" in n for n in left), left  # what the kill left
+    assert export_main([str(trained_run), str(out), "--force"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["draft"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+
 # ---- the trainer refuses what would export wrong, before any work ----------------------------------------------
 
 
@@ -463,7 +495,7 @@ def test_the_trainer_refuses_a_target_with_no_row_for_the_mask_token(tiny_world,
     """A table of exactly len(tokenizer) rows (tiny-v1's target): <|MASK|> gets an id past its end."""
     from transformers import AutoModelForCausalLM
 
-    from training.tiny import tiny_target_config, tiny_tokenizer
+    from training.target.tiny import tiny_target_config, tiny_tokenizer
 
     tokenizer = tiny_tokenizer()
     model = AutoModelForCausalLM.from_config(tiny_target_config(tokenizer, len(tokenizer)))
@@ -490,7 +522,7 @@ def test_resuming_a_checkpoint_with_a_learned_mask_vector_is_refused_before_any_
 def test_rope_parameters_of_either_transformers_generation():
     from types import SimpleNamespace
 
-    from training.target import rope_parameters
+    from training.target.frozen import rope_parameters
 
     expected = {"rope_type": "default", "rope_theta": 1e6}
     assert rope_parameters(SimpleNamespace(rope_theta=1e6, rope_scaling=None)) == expected  # 4.x

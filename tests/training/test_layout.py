@@ -1,4 +1,4 @@
-"""Layouts (training/layout.py): topology strings, the auto model and its choice, and the trainer on every
+"""Layouts (training/layout/roles.py): topology strings, the auto model and its choice, and the trainer on every
 role: colocated equals disaggregated, auto picks a layout on CPU devices, the random 8B-shaped preset at a
 reduced width, a resume that extends max_steps."""
 
@@ -16,16 +16,16 @@ import pytest
 import torch
 
 from training.config import ConfigError, load_config
-from training.layout import (
+from training.layout.roles import (
     Layout,
-    StageProfile,
+    RoleProfile,
     candidate_layouts,
     choose_layout,
     estimate_memory,
     explicit_layout,
     layout_from_topology,
     measure_shared,
-    predict_sequences_per_s,
+    step_seconds,
 )
 from training.train import main
 from training.trainer import CosineSchedule
@@ -59,7 +59,12 @@ def test_candidates_give_each_device_one_role():
     assert [layout.name for layout in candidate_layouts(["a"])] == ["colocated"]
 
 
-PROFILE = StageProfile(target_s=0.084, drafter_s=0.168, rows=1, tokens_per_sequence=3072)
+PROFILE = RoleProfile(target_s=0.084, drafter_s=0.168, rows=1, tokens_per_sequence=3072)
+
+
+def predict_sequences_per_s(layout: Layout, profile: RoleProfile, micro_batches: int) -> float:
+    """The model's sequences a second: a step's sequences over its modelled time."""
+    return micro_batches * profile.rows / step_seconds(layout, profile, micro_batches)
 
 
 def test_the_model_adds_colocated_capacity_to_the_slower_stage():
@@ -85,20 +90,20 @@ def test_with_one_micro_batch_a_step_a_split_beats_colocated_replicas():
 
 
 def test_memory_decides_when_colocated_does_not_fit():
-    profile = StageProfile(0.08, 0.17, 1, 3072, target_static=60 * GIB, target_peak=2 * GIB,
+    profile = RoleProfile(0.08, 0.17, 1, 3072, target_static=60 * GIB, target_peak=2 * GIB,
                            drafter_static=20 * GIB, drafter_peak=30 * GIB, features=GIB // 8,
                            device_memory={"cuda:0": 80 * GIB, "cuda:1": 80 * GIB})
     colocated = Layout(colocated=("cuda:0",))
     assert estimate_memory(colocated, profile, 4)["cuda:0"] == (60 + 20 + 30) * GIB + GIB // 8  # larger peak
     choice = choose_layout(["cuda:0", "cuda:1"], profile, micro_batches=2, queue_depth=4)
     assert choice.chosen.layout.name == "1:1" and not choice.candidates[0].fits
-    tight = StageProfile(**{**profile.__dict__, "device_memory": {"cuda:0": 40 * GIB, "cuda:1": 40 * GIB}})
+    tight = RoleProfile(**{**profile.__dict__, "device_memory": {"cuda:0": 40 * GIB, "cuda:1": 40 * GIB}})
     with pytest.raises(ConfigError, match="fits in memory"):
         choose_layout(["cuda:0", "cuda:1"], tight, micro_batches=2, queue_depth=4)
 
 
 def test_on_gpus_auto_offers_a_target_and_a_drafter_thread_sharing_each_device():
-    faster = StageProfile(**{**PROFILE.__dict__, "shared_s": 0.200})  # the pair overlaps: under 0.084 + 0.168
+    faster = RoleProfile(**{**PROFILE.__dict__, "shared_s": 0.200})  # the pair overlaps: under 0.084 + 0.168
     single = choose_layout(["cuda:0"], faster, micro_batches=1, queue_depth=4)
     assert single.chosen.layout == Layout(targets=("cuda:0",), drafters=("cuda:0",))  # topology 1:1 on one GPU
     assert single.chosen.tokens_per_s == pytest.approx(3072 / 0.200)
@@ -107,7 +112,7 @@ def test_on_gpus_auto_offers_a_target_and_a_drafter_thread_sharing_each_device()
     two = choose_layout(["cuda:0", "cuda:1"], faster, micro_batches=2, queue_depth=4)
     assert two.chosen.layout == Layout(targets=("cuda:0", "cuda:1"), drafters=("cuda:0", "cuda:1"))
     assert two.chosen.tokens_per_s == pytest.approx(2 * 3072 / 0.200)
-    slower = StageProfile(**{**PROFILE.__dict__, "shared_s": 0.300})  # contention worse than the serial loop
+    slower = RoleProfile(**{**PROFILE.__dict__, "shared_s": 0.300})  # contention worse than the serial loop
     assert choose_layout(["cuda:0"], slower, 1, 4).chosen.layout == Layout(colocated=("cuda:0",))
     # Not measured, or not GPUs: no pair is offered.
     assert [c.layout.name for c in choose_layout(["cuda:0"], PROFILE, 1, 4).candidates] == ["colocated"]
@@ -117,12 +122,12 @@ def test_on_gpus_auto_offers_a_target_and_a_drafter_thread_sharing_each_device()
 def test_a_pair_sharing_a_gpu_needs_both_threads_memory():
     sizes = {"target_static": 16 * GIB, "target_peak": 4 * GIB, "drafter_static": 12 * GIB,
              "drafter_peak": 26 * GIB, "features": GIB // 4, "shared_s": 0.2}
-    roomy = StageProfile(0.07, 0.14, 1, 3072, **sizes, device_memory={"cuda:0": 140 * GIB})
+    roomy = RoleProfile(0.07, 0.14, 1, 3072, **sizes, device_memory={"cuda:0": 140 * GIB})
     pair = Layout(targets=("cuda:0",), drafters=("cuda:0",))
     assert estimate_memory(pair, roomy, 4)["cuda:0"] == (16 + 4 + 12 + 26) * GIB + 5 * GIB // 4  # 4 queued + 1
     assert choose_layout(["cuda:0"], roomy, 1, 4).chosen.layout == pair
     # 0.9 x 62 GiB: colocated's 54.25 GiB fits, the pair's 59.25 does not.
-    tight = StageProfile(**{**roomy.__dict__, "device_memory": {"cuda:0": 62 * GIB}})
+    tight = RoleProfile(**{**roomy.__dict__, "device_memory": {"cuda:0": 62 * GIB}})
     choice = choose_layout(["cuda:0"], tight, 1, 4)
     assert choice.chosen.layout == Layout(colocated=("cuda:0",)) and not choice.candidates[1].fits
 
@@ -272,7 +277,7 @@ def test_resume_with_a_larger_max_steps_continues_the_learning_rate(tiny_world, 
 
 
 def test_peak_memory_and_layout_are_in_the_metrics_line():
-    from training.metrics import format_progress
+    from training.output.metrics import format_progress
 
     line = format_progress({"step": 3, "total_steps": 9, "elapsed_s": 1.0, "loss": 1.0, "layout": "1:1",
                             "peak_memory_gib": {"cuda:0": 40.5, "cuda:1": 21.0}})

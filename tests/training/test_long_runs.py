@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from faults import with_nan_loss
 
 from training.train import TrainExit, main
-from training.trainer import cosine_schedule
+from training.trainer import Trainer, cosine_schedule
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
@@ -30,8 +31,8 @@ def tiny_args(world, output_dir: Path, *overrides: str) -> list[str]:
     return ["--config", "tiny"] + [a for s in sets for a in ("--set", s)]
 
 
-def run_trainer(args: list[str], timeout: int = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "training.train", *args], cwd=REPO, capture_output=True,
+def run_trainer(args: list[str], timeout: int = 180, module: str = "training.train") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True,
                           text=True, timeout=timeout, check=False)
 
 
@@ -49,8 +50,9 @@ def read_metrics(path: Path) -> dict[int, dict]:
 # Non-finite steps.
 
 
-def test_a_nan_step_is_skipped_and_counted_and_the_run_succeeds(tiny_world, tmp_path, capsys):
-    args = tiny_args(tiny_world, tmp_path, "max_steps=6", "log_every=1", "debug_nan_steps=[3]")
+def test_a_nan_step_is_skipped_and_counted_and_the_run_succeeds(tiny_world, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(Trainer, "build_pipeline", with_nan_loss(Trainer.build_pipeline, [3]))
+    args = tiny_args(tiny_world, tmp_path, "max_steps=6", "log_every=1")
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=3e-3)  # the tiny preset's lr
     schedule = cosine_schedule(optimizer, max_steps=6, warmup_ratio=0.05)
     rates = []
@@ -72,8 +74,8 @@ def test_a_nan_step_is_skipped_and_counted_and_the_run_succeeds(tiny_world, tmp_
 
 
 def test_nan_forever_stops_the_run_with_its_exit_code_and_one_line(tiny_world, tmp_path):
-    result = run_trainer(tiny_args(tiny_world, tmp_path, "max_steps=50", "log_every=1", "max_bad_steps=3",
-                                   f"debug_nan_steps={list(range(4, 51))}"))
+    result = run_trainer([str(list(range(4, 51))), *tiny_args(tiny_world, tmp_path, "max_steps=50", "log_every=1",
+                                                             "max_bad_steps=3")], module="tests.training.faults")
     assert result.returncode == TrainExit.NON_FINITE == 3, result.stdout + result.stderr
     assert error_line(result.stderr) == ("error: step 6: non-finite loss (nan); 3 steps in a row skipped "
                                          "(max_bad_steps=3); the weights are those after step 3, the latest "
@@ -168,7 +170,7 @@ def test_warn_goes_on_past_a_checkpoint_it_cannot_write_but_not_past_the_last(ti
 METRICS_ON_A_FULL_DISK = """
 import json, sys
 from pathlib import Path
-from training.metrics import MetricsLog
+from training.output.metrics import MetricsLog
 disk = Path(sys.argv[1])
 log = MetricsLog(disk / "metrics.jsonl", total_steps=9)
 pad = "x" * 900  # about 1 KB a record: four fill the file's 4 KiB page, the fifth is cut short by the full disk
@@ -232,7 +234,7 @@ def test_bad_data_stops_the_run_with_file_and_line(tiny_world, tmp_path, capsys)
 def test_skip_bad_data_skips_and_counts_bad_lines_and_too_short_conversations(tiny_world, tmp_path, capsys):
     from transformers import AutoTokenizer
 
-    from training.data import load_conversations, prepare_sequences
+    from training.data.chat import load_conversations, prepare_sequences
 
     data = data_with_bad_lines(tiny_world, tmp_path)
     args = tiny_args(tiny_world, tmp_path / "run", f"data_path={data}", "skip_bad_data=true", "max_steps=2")

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from training.loss import block_targets, decay_weights, dflash_loss
+from training.model.loss import block_targets, decay_weights, dflash_loss
 
 
 def test_labels_are_same_position_not_shifted():

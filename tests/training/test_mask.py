@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.mask import build_block_mask, dense_mask, dflash_mask_mod
+from training.model.mask import build_block_mask, dense_mask, dflash_mask_mod
 
 
 def reference_mask(anchors: torch.Tensor, block_valid: torch.Tensor, context_len: int, block: int) -> torch.Tensor:
@@ -99,7 +99,7 @@ def block_mask_tensors(block_mask) -> dict:
 ])
 def test_block_mask_from_tiles_equals_create_block_mask(batch, num_blocks, context_len, block):
     """The tile-counting construction gives exactly the tensors create_block_mask computes from every pair."""
-    from training.mask import create_block_mask_reference
+    from training.model.mask import create_block_mask_reference
 
     anchors, block_valid = random_case(batch * 7 + num_blocks, batch, num_blocks, context_len, block)
     anchors = anchors.sort(dim=1).values  # the trainer's anchors ascend
@@ -120,7 +120,7 @@ def test_block_mask_from_tiles_equals_create_block_mask(batch, num_blocks, conte
 @pytest.mark.gpu
 def test_block_mask_from_tiles_equals_create_block_mask_on_cuda():
     """The same on the GPU's torch (2.11 on the H200 box), at the recipe's shape: 512 blocks of 16, context 3072."""
-    from training.mask import create_block_mask_reference
+    from training.model.mask import create_block_mask_reference
 
     anchors, block_valid = random_case(0, 1, 512, 3072, 16)
     anchors, block_valid = anchors.sort(dim=1).values.cuda(), block_valid.cuda()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from training.metrics import announce_output
+from training.output.metrics import announce_output
 
 
 def test_announce_output_writes_the_absolute_path_only_when_asked(tmp_path, monkeypatch, capsys):

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import training.model as model_module
-from training.attention import build_mask
-from training.compile import AttentionShape, projected_qkv
-from training.evaluate import EvalSet, acceptance_length, produced_per_step
-from training.model import Drafter, DrafterConfig
+import training.model.drafter as model_module
+from training.compile.flex import AttentionShape, projected_qkv
+from training.model.attention import build_mask
+from training.model.drafter import Drafter, DrafterConfig
+from training.serve.evaluate import EvalSet, acceptance_length, produced_per_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from drafter_baseline import use_old  # the pre-fusion drafter code, kept for the benchmark

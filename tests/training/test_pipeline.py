@@ -18,7 +18,7 @@ import pytest
 import torch
 from pipeline_toys import EventLog, ToyDrafter, ToyFailure, ToyTarget, make_batches
 
-from training.checkpoint import latest_checkpoint
+from training.output.checkpoint import latest_checkpoint
 from training.pipeline import (
     Pipeline,
     PipelineConfig,
@@ -61,7 +61,8 @@ def build(targets, drafters, per_step, steps, *, target_options=None, drafter_op
 
 
 def reference_parameters(batches, per_step, steps, grad_clip, device=CPU):
-    """The plain single-device loop: M micro-batches per step, each loss / M, clip, one optimizer step."""
+    """The plain single-device loop: M micro-batches per step, their losses' gradients summed, then divided by
+    the step's total weight (M: a toy's loss has weight 1), clip, one optimizer step."""
     target, drafter = ToyTarget(device), ToyDrafter(device)
     params = drafter.trainable_parameters()
     reports = []
@@ -71,8 +72,9 @@ def reference_parameters(batches, per_step, steps, grad_clip, device=CPU):
             with torch.no_grad():
                 features = target.features(batch)
             loss, metrics = drafter.loss(features, {**batch, "y": batch["y"].to(device)})
-            (loss / per_step).backward()
+            loss.backward()
             loss_sum, mae_sum = loss_sum + float(loss), mae_sum + float(metrics["mae"])
+        torch._foreach_mul_([p.grad for p in params], 1.0 / per_step)
         norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
         reports.append(StepReport(step + 1, loss_sum / per_step, norm, {"mae": mae_sum / per_step}))
         drafter.optimizer_step()

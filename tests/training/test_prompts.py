@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from training.config import load_config
-from training.prompts import main
-from training.regenerate import RegenerateConfig, load_prompts, regenerate, reply_positions
+from training.data.prompts import main
+from training.regenerate.run import RegenerateConfig, load_prompts, regenerate, reply_positions
 
 
 def conversation(number: int, *turns: tuple[str, str]) -> dict:

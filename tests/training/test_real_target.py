@@ -18,12 +18,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer
 
-from training.acceptance import load_prompts
-from training.acceptance import main as acceptance_main
-from training.checkpoint import latest_checkpoint
 from training.config import ConfigError
-from training.from_gguf import SOURCE_RECORD, ensure_target_from_gguf, locate_gguf
-from training.target import MASK_TOKEN, Target, mask_token_id
+from training.output.checkpoint import latest_checkpoint
+from training.serve.acceptance import load_prompts
+from training.serve.acceptance import main as acceptance_main
+from training.target.from_gguf import SOURCE_RECORD, ensure_target_from_gguf, locate_gguf
+from training.target.frozen import MASK_TOKEN, Target, mask_token_id
 from training.train import main as train_main
 
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -248,7 +248,7 @@ def test_the_real_target_bench_trains_splits_and_joins_its_export(smollm2, chats
 def test_smollm2_static_decode_replies_equal_the_eager_generate(smollm2, tmp_path):
     """decode=static (own cache, grouped attention, one shape per width) writes SmolLM2's greedy replies exactly as
     transformers' generate does, in float32, prompts of different lengths in one padded batch with filler rows."""
-    from training.regenerate import main as regenerate_main
+    from training.regenerate.run import main as regenerate_main
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": n, "messages": [{"role": "user", "content": q}]}) + "\n"
@@ -296,3 +296,41 @@ def test_the_bench_trains_a_dflash2_drafter_for_smollm2_that_serves_losslessly(s
     figures = json.loads(report.read_text())
     assert all(p["lossless"] for p in figures["prompts"])
     assert all(p["served_steps"] == p["trainer_steps"] for p in figures["prompts"])
+
+
+def test_a_bench_arm_trains_measures_in_the_reference_and_a_second_call_resumes_it(smollm2, chats, tmp_path):
+    """One arm, as the H200 calls run it, on the CPU: `train --measure` trains (init_layers = "target", WSD) and
+    then measures its export in the reference loop (served and trainer τ on HumanEval and the chat set,
+    float32, lossless); a second call `--resume --steps 4 --measure --speedup` continues the same run from its
+    checkpoint (its τ by step goes on from step 2, its training time is both calls'), adds the wall-clock
+    speed-up, and `report` prints the arm's served figures and draws every arm."""
+    import subprocess
+
+    bench = [sys.executable, str(Path(__file__).resolve().parents[2] / "bench" / "real_target.py")]
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    (work / "target").symlink_to(smollm2)
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"set": "chat", "messages": [{"role": "user", "content": "Name a colour."}]}) + "\n")
+    small = [a for s in [*SMALL_RUN, "init_layers=target", "schedule=wsd"]
+             if not s.startswith(("devices=", "eval_prompts=", "save_every=", "max_steps=")) for a in ("--set", s)]
+    arm = bench + ["train", "--work", str(work), "--data", str(chats), "--chat", str(chat), "--eval-every", "2",
+                   "--eval-prompts", "1", "--device", "cpu", "--name", "arm", "--out", str(out), "--no-export",
+                   "--measure", "--eval-limit", "1", "--eval-new-tokens", "8", *small]
+    first = subprocess.run(arm + ["--steps", "2"], capture_output=True, text=True, timeout=600, check=False)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    one = json.loads((out / "arm.json").read_text())
+    assert one["steps"] == 2 and one["lossless_humaneval"] == "1/1" and one["lossless_chat"] == "1/1"
+    assert one["served_tau_humaneval"] == one["trainer_tau_humaneval"] >= 1.0 and one["served_tau_chat"] >= 1.0
+    second = subprocess.run(arm + ["--steps", "4", "--resume", "--speedup"], capture_output=True, text=True,
+                            timeout=600, check=False)
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
+    assert "resumed from" in (out / "arm-train.log").read_text()
+    two = json.loads((out / "arm.json").read_text())
+    assert two["steps"] == 4 and two["calls"] == 2 and two["train_s"] > one["train_s"]
+    assert [s for s, _ in two["tau_by_step"]] == [0, 2, 4]  # the first call's evaluations, then the second's
+    assert two["speedup_bf16"] > 0 and two["lossless_chat"] == "1/1"
+    report = subprocess.run(bench + ["report", str(out), "--plot", str(tmp_path / "arms.png")], check=False,
+                            capture_output=True, text=True)
+    assert report.returncode == 0 and "served tau HumanEval" in report.stdout and "arm: tau by step" in report.stdout
+    assert (tmp_path / "arms.png").stat().st_size > 10_000

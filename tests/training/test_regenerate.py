@@ -19,8 +19,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from training.config import load_config
-from training.data import encode_chat
-from training.regenerate import (
+from training.data.chat import encode_chat
+from training.regenerate.run import (
     RegenerateConfig,
     ReplicaGenerator,
     content_id,
@@ -28,7 +28,7 @@ from training.regenerate import (
     recover_output,
     regenerate,
 )
-from training.tiny import synthetic_words
+from training.target.tiny import synthetic_words
 
 REPO = Path(__file__).resolve().parents[2]
 WORDS = synthetic_words(300)
@@ -108,7 +108,7 @@ def test_greedy_replies_are_the_targets_own_turn_by_turn(tiny_world, tmp_path, m
 
 
 def test_the_static_decode_writes_what_the_eager_one_writes(tiny_world, tmp_path):
-    """decode=static (one shape per width, filler rows, training/static_decode.py; graphs on CUDA) gives the
+    """decode=static (one shape per width, filler rows, training/regenerate/static_decode.py; graphs on CUDA) gives the
     eager decode's replies, record for record, with batches that are full and one that is not."""
     write_prompts(tmp_path / "prompts.jsonl", 7)
     outputs = {}
@@ -128,7 +128,7 @@ def test_the_static_decode_writes_what_the_eager_one_writes(tiny_world, tmp_path
 def test_a_wide_static_batch_decodes_in_fewer_rows_and_writes_the_same(tiny_world, tmp_path, monkeypatch, capsys):
     """With the cache bound small, every batch of the static decode splits into chunks of fewer rows (each its
     own shape): the records are still the dynamic decode's."""
-    from training import generation
+    from training.regenerate import generation
 
     write_prompts(tmp_path / "prompts.jsonl", 7)
     outputs = {}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from training import reporters
+from training.output import reporters
 from training.train import main
 
 pytestmark = pytest.mark.e2e
@@ -49,7 +49,7 @@ def test_a_reporter_without_its_package_is_one_line_and_exit_2(tiny_world, tmp_p
     assert not out.exists()  # said before the run's directory, the target or the data were made
 
     assert main(run_args(tiny_world, out, 'report_to=["tensorbord"]')) == 2
-    assert "report_to takes tensorboard, wandb, mlflow, got ['tensorbord']" in capsys.readouterr().err
+    assert "report_to takes tensorboard, wandb, mlflow, got 'tensorbord'" in capsys.readouterr().err
 
 
 def test_wandb_writes_an_offline_run_in_the_output_dir(tiny_world, tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""Each run its own directory (training/run_home.py): <runs_dir>/<run home>, the home from $GPUCTL_RUN_HOME or,
+"""Each run its own directory (training/output/run_home.py): <runs_dir>/<run home>, the home from $GPUCTL_RUN_HOME or,
 by hand, the next free run<N>; every checkpoint and export records the run that wrote it; an explicit
 output_dir keeps its meaning (overwrite_output included)."""
 
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from training.checkpoint import checkpoint_run, latest_checkpoint, list_checkpoints
 from training.config import ConfigError, load_config
-from training.export import main as export_main
-from training.run_home import resolve_run_dir
+from training.output.checkpoint import checkpoint_run, latest_checkpoint, list_checkpoints
+from training.output.run_home import resolve_run_dir
+from training.serve.export import main as export_main
 from training.train import main
 
 pytestmark = pytest.mark.e2e

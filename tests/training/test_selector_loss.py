@@ -1,4 +1,4 @@
-"""DFlash2's selector objective (training/selector_loss.py) against a dense reference written out in full:
+"""DFlash2's selector objective (training/model/selector_loss.py) against a dense reference written out in full:
 candidates with the label put in, teacher-forced predecessors, the chunked candidate logits and their gradient."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from training.dflash2 import build_drafter
-from training.loss import decay_weights, dflash_loss
-from training.model import DrafterConfig
-from training.selector_loss import CandidateLogits, dflash2_loss, predecessors, training_candidates
+from training.model.dflash2 import build_drafter
+from training.model.drafter import DrafterConfig
+from training.model.loss import decay_weights, dflash_loss
+from training.model.selector_loss import CandidateLogits, dflash2_loss, predecessors, training_candidates
 
 VOCAB, HIDDEN, BLOCK, TOP_K = 50, 32, 4, 5
 
@@ -109,13 +109,13 @@ def test_with_alpha_0_the_objective_is_the_dflash_loss():
 
 
 def test_counted_dflash2_flops_equal_the_matrix_products_that_run():
-    """The trainer's FLOP count (training/flops.py) of a DFlash2 step, against FlopCounterMode: every matrix
+    """The trainer's FLOP count (training/layout/flops.py) of a DFlash2 step, against FlopCounterMode: every matrix
     product but attention (counted over the allowed pairs) is what runs."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from training.attention import build_mask
-    from training.flops import drafter_flops
-    from training.loss import block_targets
+    from training.layout.flops import drafter_flops
+    from training.model.attention import build_mask
+    from training.model.loss import block_targets
 
     drafter = tiny_dflash2().train()
     generator = torch.Generator().manual_seed(2)

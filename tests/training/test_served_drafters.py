@@ -12,19 +12,19 @@ import pytest
 import torch
 from reference_helpers import prompts, served
 
-from training.acceptance import main as acceptance_main
-from training.checkpoint import save_checkpoint
 from training.config import load_config
-from training.data import load_conversations
-from training.evaluate import acceptance_length, build_eval_set
-from training.export import main as export_main
-from training.export import read_export
-from training.model import Drafter, DrafterConfig
-from training.target import Target
+from training.data.chat import load_conversations
+from training.model.drafter import Drafter, DrafterConfig
+from training.output.checkpoint import save_checkpoint
+from training.serve.acceptance import main as acceptance_main
+from training.serve.evaluate import acceptance_length, build_eval_set
+from training.serve.export import main as export_main
+from training.serve.export import read_export
+from training.serve.warm_start import read_warm_start
+from training.target.frozen import Target
 from training.train import main as train_main
 from training.trainer import cosine_schedule
 from training.trainer.world import build_drafters
-from training.warm_start import read_warm_start
 
 NEW_TOKENS = 32
 
@@ -94,6 +94,30 @@ def test_sampled_tau_goes_through_the_reference_rejection_sampling_and_a_seed_re
     assert again["sets"]["prompts"]["std"] == 0.0
 
 
+def test_speedup_times_the_loop_with_the_drafter_against_the_targets_own_greedy_decode(
+        trained_run, tiny_world, tmp_path, monkeypatch, capsys):
+    """--speedup decodes every prompt twice, through the reference loop with the drafter and with a block of 1
+    (no drafter call at all), after one warm-up each, and reports tokens/s both ways and their ratio."""
+    blocks = []
+    real = reference.dflash_generate
+
+    def counted(*args, **kwargs):
+        blocks.append(kwargs.get("block_size"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(reference, "dflash_generate", counted)
+    report = tmp_path / "speedup.json"
+    argv = ["--export", str(trained_run / "export"), "--target", str(tiny_world.target), "--prompts",
+            str(prompt_file(tiny_world, tmp_path, 3)), "--new-tokens", str(NEW_TOKENS), "--speedup", "--json",
+            str(report)]
+    assert acceptance_main(argv) == 0
+    assert blocks == [None, 1] + [None, 1] * 3  # warm-up, then each prompt both ways
+    found = json.loads(report.read_text())
+    assert found["prompts"] == 3 and found["tokens"] > 3 and found["tau"] > 1.2  # the trained drafter is accepted
+    assert found["speedup"] == pytest.approx(found["target_s"] / found["drafter_s"])
+    assert "speed-up" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("option, message", [(("--temperature", "-1"), "--temperature must be >= 0"),
                                              (("--temperature", "1", "--repeats", "0"), "--repeats >= 1")])
 def test_bad_sampling_options_are_one_line_exit_2(option, message, tiny_world, tmp_path, capsys):
@@ -137,7 +161,7 @@ def reference_proposals(model, target: Target, prompt: list[int], monkeypatch) -
 def trainer_proposals(drafter: Drafter, steps: list[dict]) -> list[torch.Tensor]:
     """The trainer drafter's proposals for each step of a reference loop: the same anchor token and the context
     the loop accumulated, the last block cut to the loop's verify size (its keys past the cut hidden)."""
-    from training.attention import build_mask
+    from training.model.attention import build_mask
 
     context, proposals = None, []
     for step in steps:
@@ -182,7 +206,7 @@ def test_a_warm_start_proposes_at_step_0_exactly_what_its_source_proposes_in_the
 
 def test_a_warm_started_run_starts_at_its_sources_tau_and_fine_tunes_from_there(trained_run, tiny_world, target,
                                                                                tmp_path):
-    """A run with init_from: its step-0 evaluation (the trainer's τ, training/evaluate.py) is the exported
+    """A run with init_from: its step-0 evaluation (the trainer's τ, training/serve/evaluate.py) is the exported
     drafter's own τ on the same prompts, far above a fresh drafter's 1.0; it trains and exports as any run."""
     out = tmp_path / "warm"
     assert train_main(sets_for(tiny_world, out, f"init_from={trained_run / 'export'}", "max_steps=4",
@@ -276,7 +300,7 @@ def reference_hidden_states(model, target: Target, ids: torch.Tensor, anchors: l
 
 def trainer_hidden_states(drafter: Drafter, target: Target, ids: torch.Tensor, anchors: list[int]) -> torch.Tensor:
     """The trainer drafter's, every anchor in one forward (and a padding block), [anchors, block, D]."""
-    from training.attention import build_mask
+    from training.model.attention import build_mask
 
     block = drafter.config.block_size
     at = torch.tensor([anchors + [0]])

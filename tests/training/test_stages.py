@@ -10,17 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-import training.model as model_module
-from training.attention import attend, build_mask
-from training.compile import UnwarmedShapeError
+import training.model.drafter as model_module
+from training.compile.flex import UnwarmedShapeError
+from training.compile.run import CompiledRun, warm_up_batch
+from training.compile.stages import CompiledStage, decoder_layer_forward, resolve_compile, stages_of
 from training.config import load_config
-from training.devices import autocast
-from training.model import projected_strides, restrided
-from training.stages import CompiledStage, decoder_layer_forward, resolve_compile, stages_of
-from training.step import drafter_stage
-from training.target import Target
+from training.layout.devices import autocast
+from training.model.attention import attend, build_mask
+from training.model.drafter import projected_strides, restrided
+from training.model.step import drafter_loss
+from training.target.frozen import Target
 from training.train import main as train_main
-from training.trainer.compiled import CompiledRun, warm_up_batch
 from training.trainer.replicas import DrafterReplica
 from training.trainer.world import build_drafters
 
@@ -89,7 +89,7 @@ def test_a_run_with_every_stage_compiled_trains_as_the_eager_run_does(tiny_world
 
 @pytest.mark.parametrize("overrides,message", [
     (["compile=off", "attention=flex"], ('compile = "off" with attention = "flex": uncompiled flex_attention is the '
-                                        "dense path DESIGN §6 forbids")),
+                                        "dense path the compile discipline forbids (ARCHITECTURE §6)")),
     (["compile=fast"], "compile must be one of auto, all, attention, off, got 'fast'"),
 ])
 def test_bad_compile_settings_are_one_line(tiny_world, tmp_path, capsys, overrides, message):
@@ -122,7 +122,7 @@ def compiled_drafter(world, target: Target, dtype: torch.dtype, architecture: st
 
 def step_gradients(replica: DrafterReplica, features: torch.Tensor, batch, compiled: bool):
     c = replica.config
-    output = drafter_stage(replica.drafter, features, batch, "sdpa", c.gamma, c.loss_chunk_size, replica.dtype,
+    output = drafter_loss(replica.drafter, features, batch, "sdpa", c.gamma, c.loss_chunk_size, replica.dtype,
                            None, c.selector_loss_alpha, compiled=compiled)
     output.loss.backward()
     grads = [p.grad.float().clone() for p in replica.params]

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from training import tokenized
-from training.data import ChatTokenizer, DataError, load_conversations, prepare_sequences, truncate
-from training.tiny import synthetic_words, tiny_tokenizer
-from training.tokenized import CACHE_DIR_NAME, load_tokenized, load_training_data
+from training.data import tokenized
+from training.data.chat import ChatTokenizer, DataError, load_conversations, prepare_sequences, truncate
+from training.data.tokenized import CACHE_DIR_NAME, load_tokenized, load_training_data
+from training.target.tiny import synthetic_words, tiny_tokenizer
 
 WORDS = synthetic_words(300)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from training.checkpoint import latest_checkpoint, list_checkpoints
+from training.output.checkpoint import latest_checkpoint, list_checkpoints
 from training.train import main
 
 REPO = Path(__file__).resolve().parents[2]

@@ -9,14 +9,15 @@ A run is multi-node when WORLD_SIZE > 1: the env:// variables RANK, WORLD_SIZE, 
 MASTER_PORT) and is the only one that writes checkpoints, the run's metrics and the export.
 
 Trust (training/distributed/secret.py, wire.py): with a node secret ($GPUCTL_NODE_SECRET_FILE, else
-$GPUCTL_NODE_SECRET), every node and node 0 prove it to each other (HMAC over a challenge, through the store)
-before the process group forms; without one the trainer warns and goes on. Nothing a node sends is unpickled:
+$GPUCTL_NODE_SECRET), every node and node 0 prove it to each other (HMAC-signed hellos through the store; a
+bad one is dropped) before the process group forms, over a store whose every value is sealed with it; without
+one a multi-node trainer refuses, unless GPUCTL_TRUSTED_NETWORK=1. Nothing a node sends is unpickled:
 JSON in tensors, checked before use; the names node 0 sends with its checkpoint are checked.
 
 Timeouts: joining waits `node_start_timeout_s` for every node (a node that never starts does not hold the
 others for ten minutes); collectives around slow, uneven work (start, the first step after warm-up, node 0's
 checkpoints, evaluations and export) wait `node_sync_timeout_s`; steady-state steps wait `node_timeout_s`.
-Each node also beats a counter in the store every second; a node whose counter stops for a minute (or
+Each node also beats a counter in the store every second; a node whose counter stops for 20 s (or
 `node_timeout_s`, if shorter: hung or dead), or a store that stops answering as long (node 0 gone), makes every
 other node stop with a line naming it, before any collective's own timeout. On NCCL, TORCH_NCCL_BLOCKING_WAIT
 makes a failed collective raise in the thread that waits on it (a line, exit 6) rather than abort the process.

@@ -1,4 +1,4 @@
-"""Each node's heartbeat in node 0's store: how a hung or dead node is told within a minute."""
+"""Each node's heartbeat in node 0's store: how a hung or dead node is told within HEARTBEAT_LOST_S."""
 
 from __future__ import annotations
 
@@ -9,13 +9,17 @@ from collections.abc import Callable, Sequence
 import torch.distributed as dist
 
 _BEAT_S = 1.0  # how often a node beats its counter in the store
-HEARTBEAT_LOST_S = 60.0  # a node silent this long (or node_timeout_s, if shorter) is lost: hung or dead
+# A node silent this long (or node_timeout_s, if shorter) is lost: hung or dead. Short enough that every other
+# node has ended within 30 s of a node's death even when nothing else tells (a host gone, a network cut).
+HEARTBEAT_LOST_S = 20.0
 
 
 class Heartbeat:
-    """Every node adds 1 to its own counter in the store every second and reads everyone's. A node whose
-    counter has not moved for `lost_after_s` is hung or dead; a store that fails is node 0 gone. Either way
-    `on_lost(line)` is called once, from this thread."""
+    """Every node sets its own counter in the store one higher every second and reads everyone's. A node whose
+    counter has not risen for `lost_after_s` is hung or dead; a store that fails is node 0 gone. Either way
+    `on_lost(line)` is called once, from this thread. The counters are values the node sets (with a node secret
+    the store seals them: secret.SealedStore), not the store's own counters, which anyone could add to: a value
+    that is not the node's, or not higher than the last, is not a beat."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, lost_after_s: float,
                  on_lost: Callable[[str], None]):
@@ -27,7 +31,8 @@ class Heartbeat:
         self.gone: str | None = None  # why the store stopped answering, once for lost_after_s
         self.unreachable_since: float | None = None  # the store fails (node 0 gone, or the network)
         self._stop = threading.Event()
-        self.store.add(self.keys[rank], 1)
+        self._beats = 1
+        self.store.set(self.keys[rank], str(self._beats))
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
     def start(self) -> Heartbeat:
@@ -44,8 +49,9 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stop.wait(_BEAT_S):
             try:
-                self.store.add(self.keys[self.rank], 1)
-                counts = [int(value) for value in self.store.multi_get(self.keys)]
+                self._beats += 1
+                self.store.set(self.keys[self.rank], str(self._beats))
+                counts = [_count(value) for value in self.store.multi_get(self.keys)]
             except Exception as err:  # noqa: BLE001 - the store is node 0's: a failure is node 0 or the network
                 now = time.monotonic()
                 self.unreachable_since = self.unreachable_since or now
@@ -60,7 +66,7 @@ class Heartbeat:
             self.unreachable_since = None
             now = time.monotonic()
             for rank, count in enumerate(counts):
-                if count != self._counts[rank]:
+                if count is not None and (self._counts[rank] is None or count > self._counts[rank]):
                     self._counts[rank], self._heard[rank] = count, now
             silent = self.silent(self.lost_after_s)
             if silent and not self._stop.is_set():
@@ -72,6 +78,13 @@ class Heartbeat:
         """Other nodes not heard from for `for_s` seconds."""
         now = time.monotonic()
         return [r for r in range(self.world_size) if r != self.rank and now - self._heard[r] > for_s]
+
+
+def _count(value: bytes | None) -> int | None:
+    try:
+        return int(value) if value is not None and len(value) <= 20 else None
+    except ValueError:
+        return None
 
 
 def describe_ranks(ranks: Sequence[int]) -> str:

@@ -37,20 +37,15 @@ What keeps it correct:
 """
 
 from training.pipeline.core import Pipeline
-from training.pipeline.gradients import check_replicas_identical, move_to_device, sum_and_clip_gradients
+from training.pipeline.gradients import sum_and_clip_gradients
 from training.pipeline.interface import (
-    AcrossNodes,
-    DrafterWorker,
     PipelineConfig,
     PipelineError,
     PipelineStalled,
     RunResult,
-    StepPlan,
     StepReport,
-    TargetWorker,
     Utilisation,
 )
 
-__all__ = ["AcrossNodes", "DrafterWorker", "Pipeline", "PipelineConfig", "PipelineError", "PipelineStalled",
-           "RunResult", "StepPlan", "StepReport", "TargetWorker", "Utilisation", "check_replicas_identical",
-           "move_to_device", "sum_and_clip_gradients"]
+__all__ = ["Pipeline", "PipelineConfig", "PipelineError", "PipelineStalled", "RunResult", "StepReport", "Utilisation",
+           "sum_and_clip_gradients"]

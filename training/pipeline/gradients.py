@@ -33,7 +33,7 @@ def move_to_device(obj: Any, device: torch.device) -> Any:
 
 def sum_and_clip_gradients(
     grads: list[list[torch.Tensor]], devices: Sequence[torch.device], max_norm: float | None,
-    across_nodes: Callable[[list[torch.Tensor]], None] = lambda total: None,
+    across_nodes: Callable[[list[torch.Tensor]], None] = lambda total: None, scale: float = 1.0,
 ) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
     """Sum per-replica gradient lists onto replica 0's device, clip the sum like clip_grad_norm_, and give
     every replica its own copy of the result.
@@ -41,7 +41,8 @@ def sum_and_clip_gradients(
     Returns (one gradient list per replica, the pre-clip total norm). On distinct GPUs this is an NCCL
     reduce + broadcast (torch.cuda.comm); otherwise (CPU, or replicas sharing a GPU) a plain sum in replica
     order. `across_nodes` (for one node: nothing), in a multi-node run, sums this process's sum with the other nodes' (in place),
-    before the norm: every node then clips the same global sum.
+    before the norm: every node then clips the same global sum. `scale` multiplies the global sum before the
+    norm (the step's 1 / total loss weight: the gradient of a weighted mean over the whole step).
     """
     distinct_gpus = all(d.type == "cuda" for d in devices) and len({d.index for d in devices}) == len(devices)
     if len(grads) == 1:
@@ -53,6 +54,8 @@ def sum_and_clip_gradients(
         for replica_grads in grads[1:]:
             torch._foreach_add_(total, [g.to(devices[0]) for g in replica_grads])
     across_nodes(total)
+    if scale != 1.0:
+        torch._foreach_mul_(total, scale)
     norm = torch.nn.utils.get_total_norm(total)
     if max_norm is not None:
         # Same arithmetic as clip_grad_norm_, so one replica here equals a plain single-device step. A non-finite

@@ -39,8 +39,12 @@ class DrafterWorker(Protocol):
         """The parameters that train, in the same order on every replica."""
 
     def loss(self, features: Any, batch: Any) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The mean loss of one micro-batch, optionally with other scalar metrics to average like it (e.g.
-        accuracy); features and batch are already on this replica's device."""
+        """The loss of one micro-batch, optionally with other scalar metrics (averaged over the step's
+        micro-batches, e.g. accuracy); features and batch are already on this replica's device. With a metric
+        "weight" the loss is a weighted sum (the DFlash loss: sum of w * CE) and `weight` its sum of weights;
+        without, a mean of weight 1. The step's loss, and the gradient it steps on, is the sum of every
+        micro-batch's loss over the sum of their weights, over all replicas and nodes: a weighted mean over
+        the whole step, whichever way the step is split."""
 
     def optimizer_step(self) -> None:
         """Step the optimizer (and LR schedule) on the gradients the pipeline has put in `.grad`; not called

@@ -7,16 +7,16 @@ import threading
 from collections.abc import Callable
 
 from training.config import TrainConfig
-from training.data import Batch, BatchStream
-from training.flops import drafter_flops, target_flops
-from training.loss import block_targets
-from training.model import DrafterConfig
-from training.target import Target
+from training.data.chat import Batch, BatchStream
+from training.layout.flops import drafter_flops, target_flops
+from training.model.drafter import DrafterConfig
+from training.model.loss import block_targets
+from training.target.frozen import Target
 
 
 class StepBatches:
     """The pipeline's micro-batches, `per_step` to a step, read from the stream in order. Remembers each
-    step's token count, its counted FLOPs (`flops_of`, training/flops.py) and the stream's state before it:
+    step's token count, its counted FLOPs (`flops_of`, training/layout/flops.py) and the stream's state before it:
     targets read ahead, so a checkpoint after step s needs the state from before step s + 1's first
     micro-batch, not the stream's current one. In a multi-node run, `share` is the indices of each step's micro-batches this node
     computes: every node moves through the whole stream (so every node's data position is the run's), makes
@@ -67,7 +67,7 @@ class StepBatches:
 
 
 def step_flops(config: TrainConfig, target: Target, drafter_config: DrafterConfig) -> Callable[[Batch], float]:
-    """Counted FLOPs of one micro-batch (training/flops.py): the target forward over its padded length, up to
+    """Counted FLOPs of one micro-batch (training/layout/flops.py): the target forward over its padded length, up to
     the last feature layer, and the drafter's forward + backward."""
 
     def flops_of(batch: Batch) -> float:

@@ -6,7 +6,10 @@ import os
 import shutil
 from pathlib import Path
 
-from training.checkpoint import (
+from training.config import ConfigError, TrainConfig
+from training.console import say, warn
+from training.data.chat import BatchStream
+from training.output.checkpoint import (
     CheckpointWriteError,
     check_checkpoint,
     checkpoint_train_config,
@@ -16,10 +19,8 @@ from training.checkpoint import (
     recover_checkpoints,
     save_checkpoint,
 )
-from training.config import ConfigError, TrainConfig
-from training.console import say, warn
-from training.data import BatchStream
-from training.metrics import metrics_path
+from training.output.metrics import metrics_path
+from training.serve.export import recover_export
 from training.trainer.batches import StepBatches
 from training.trainer.replicas import DrafterReplica
 
@@ -37,6 +38,7 @@ def prepare_output_dir(config: TrainConfig, resume: bool, per_run: bool = False)
     if not os.access(output_dir, os.W_OK | os.X_OK):
         raise ConfigError(f"cannot write in output_dir {output_dir}: permission denied")
     recover_checkpoints(output_dir)  # a save killed mid-write: its step put back, its leftovers gone
+    recover_export(output_dir / "export")  # the same for an export killed mid-write
     if resume and latest_checkpoint(config.output_dir) is not None:
         # E.g. a pre-<|MASK|> one, or another architecture than this run's: refused before any work.
         saved = check_checkpoint(latest_checkpoint(config.output_dir))

@@ -1,6 +1,6 @@
 """The run's components: built once, called after every step (in the leader drafter thread), closed at the
-end. The step log and its evaluation, the bad-step guard, the end-of-run export; the checkpoint policy is
-training/trainer/checkpointing.py's."""
+end. The step log and its evaluation, the bad-step guard, the end-of-run export (the checkpoint policy is
+training/trainer/checkpointing.py's), and RunComponents, which builds them all and calls them in order."""
 
 from __future__ import annotations
 
@@ -12,15 +12,17 @@ import torch
 
 from training.config import TrainConfig
 from training.console import say, warn
-from training.data import eval_prompts
+from training.data.chat import eval_prompts
 from training.distributed import Nodes, SingleNode
-from training.evaluate import acceptance_length, build_eval_set
-from training.export import export_run
-from training.metrics import MetricsLog, metrics_path
+from training.output.metrics import MetricsLog, metrics_path
+from training.output.reporters import Reporters
+from training.output.run_home import run_record
 from training.pipeline import RunResult, StepReport, Utilisation
-from training.reporters import Reporters
-from training.target import Target
-from training.trainer.batches import StepBatches
+from training.serve.evaluate import acceptance_length, build_eval_set
+from training.serve.export import export_run
+from training.target.frozen import Target
+from training.trainer.batches import StepBatches, step_flops
+from training.trainer.checkpointing import CheckpointPolicy
 from training.trainer.replicas import DrafterReplica
 from training.trainer.world import World
 
@@ -128,7 +130,7 @@ class StepLog:
 
 
 class Evaluation:
-    """The acceptance length τ on the held-out prompts (training/evaluate.py), on node 0: built once (the
+    """The acceptance length τ on the held-out prompts (training/serve/evaluate.py), on node 0: built once (the
     prompts drafted on, prepared on the leader's device), asked by the step log every `eval_every`-th step and
     at the last; on a fresh run, also before the first step (the untrained drafter's τ, the baseline)."""
 
@@ -179,7 +181,7 @@ class BadStepGuard:
 
 
 class EndOfRunExport:
-    """The served format (training/export.py), written once the run reached max_steps (not after a stop), by
+    """The served format (training/serve/export.py), written once the run reached max_steps (not after a stop), by
     the node that writes the run's files."""
 
     def __init__(self, config: TrainConfig, writes: bool):
@@ -188,3 +190,42 @@ class EndOfRunExport:
     def close(self, result: RunResult) -> None:
         if self.writes and not result.stopped:
             export_run(self.config.output_dir)
+
+
+class RunComponents:
+    """One run's components on this node, built whole once its world is built and it resumed: the step batches
+    they share, the step log with its evaluation, the bad-step guard, the checkpoint policy and the end-of-run
+    export. The leader replica's thread calls `after_step` after every step; node 0 writes the run's files."""
+
+    def __init__(self, config: TrainConfig, nodes: Nodes | SingleNode, world: World, share: list[int], step: int,
+                 run_home: str):
+        leader, writes = world.replicas[0], nodes.leader
+        self.config, self.nodes = config, nodes
+        self.batches = StepBatches(world.stream, config.micro_batches_per_step(), step,
+                                   step_flops(config, world.targets[0], leader.drafter.config), share=share)
+        self.evaluation = Evaluation(config, leader, world.targets[0], world.held_out, leads=writes)
+        self.step_log = StepLog(config, leader, self.batches, world, self.evaluation, nodes)
+        self.step_log.start(step)
+        self.bad_steps = BadStepGuard(config.max_bad_steps)
+        self.checkpoints = CheckpointPolicy(config, leader, self.batches, step, writes=writes,
+                                            run=run_record(run_home))
+        self.export = EndOfRunExport(config, writes=writes)
+
+    def on_steady(self, world: World) -> None:
+        """Every pipeline thread has warmed up, none has started: time and count compiles from here."""
+        self.step_log.steady()
+        if world.compiled is not None:
+            world.compiled.steady()
+
+    def after_step(self, report: StepReport, utilisation: Callable[[], Utilisation]) -> None:
+        """In the leader replica's thread, after every step: the components in order."""
+        self.step_log.after_step(report, utilisation)
+        self.bad_steps.after_step(report)
+        self.checkpoints.after_step(report.step)
+        if self.leader_works_after(report.step):
+            self.nodes.wait_for_leader(f"step {report.step} checkpoint or evaluation")
+
+    def leader_works_after(self, done: int) -> bool:
+        """Node 0 checkpoints or evaluates after step `done`: the others wait for it with the long timeout."""
+        eval_every = self.config.eval_every
+        return self.checkpoints.due(done) or bool(eval_every and done % eval_every == 0)

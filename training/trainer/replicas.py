@@ -1,33 +1,33 @@
-"""The pipeline's workers: the frozen target's stage and the drafter replica's (its optimizer and LR
+"""The pipeline's workers: the frozen target's role and the drafter replica's (its optimizer and LR
 schedule), and the run's one compiled flex_attention they share."""
 
 from __future__ import annotations
 
 import torch
 
-from training.attention import FlexAttention
-from training.compile import AttentionShape, SharedFlexAttention, projected_qkv
+from training.compile.flex import AttentionShape, SharedFlexAttention, projected_qkv, spread_anchors
 from training.config import TrainConfig
-from training.data import Batch
-from training.mask import build_block_mask
-from training.model import Drafter, DrafterConfig
-from training.step import drafter_stage
-from training.target import Target
-from training.trainer.schedule import CosineSchedule
+from training.data.chat import Batch
+from training.model.attention import FlexAttention
+from training.model.drafter import Drafter, DrafterConfig
+from training.model.mask import build_block_mask
+from training.model.step import drafter_loss
+from training.target.frozen import Target
+from training.trainer.schedule import make_schedule
 
 
 class TargetReplica:
-    """The pipeline's target stage on one device: the frozen target's features for a micro-batch."""
+    """The pipeline's target role on one device: the frozen target's features for a micro-batch."""
 
     def __init__(self, target: Target):
         self.target = target
 
     def features(self, batch: Batch) -> torch.Tensor:
-        return self.target.features(batch.input_ids, compiled=True)
+        return self.target.training_features(batch.input_ids)
 
 
 class DrafterReplica:
-    """The pipeline's drafter stage on one device: a drafter replica with its optimizer and LR schedule.
+    """The pipeline's drafter role on one device: a drafter replica with its optimizer and LR schedule.
 
     `flex_attention` is what its drafter calls with the flex backend (None with SDPA): the trainer's
     SharedFlexAttention, which `warm_up` compiles on this device before steady state."""
@@ -40,7 +40,7 @@ class DrafterReplica:
         self.device = self.params[0].device
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=(0.9, 0.95),
                                            weight_decay=config.weight_decay, fused=self.device.type == "cuda")
-        self.schedule = CosineSchedule(config.max_steps, config.warmup_ratio)
+        self.schedule = make_schedule(config.schedule, config.max_steps, config.warmup_ratio, config.decay_ratio)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule)
         self.last_lr = self.optimizer.param_groups[0]["lr"]  # the rate of the latest step
 
@@ -51,10 +51,12 @@ class DrafterReplica:
         return [name for name, p in self.drafter.named_parameters() if p.requires_grad]
 
     def loss(self, features: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        output = drafter_stage(self.drafter, features, batch, self.backend, self.config.gamma,
+        output = drafter_loss(self.drafter, features, batch, self.backend, self.config.gamma,
                                self.config.loss_chunk_size, self.dtype, self.flex_attention,
-                               self.config.selector_loss_alpha, compiled=True)
-        return output.loss, {"accuracy": output.accuracy}
+                               self.config.selector_loss_alpha, compiled=True, distill=self.config.distill)
+        # The weighted sum (a mean times its weight: the gradient of sum(w * CE), to within rounding), which the
+        # pipeline divides by the step's total weight (see DrafterWorker.loss).
+        return output.loss * output.weight, {"accuracy": output.accuracy, "weight": output.weight}
 
     def optimizer_step(self) -> None:
         self.last_lr = self.optimizer.param_groups[0]["lr"]
@@ -80,12 +82,6 @@ class DrafterReplica:
         anchors = spread_anchors(shape.batch, context, block, shape.q_len // block, device)
         valid = torch.ones_like(anchors, dtype=torch.bool)
         return build_block_mask(anchors, valid, context, block)
-
-
-def spread_anchors(rows: int, context: int, block: int, count: int, device: torch.device) -> torch.Tensor:
-    """`count` anchors spread evenly over a context of `context` tokens, the same in every row: the warm-ups'
-    made-up batches and masks."""
-    return torch.linspace(1, context - block, count, device=device).long().expand(rows, -1).contiguous()
 
 
 def shared_flex_attention(config: TrainConfig, drafter_config: DrafterConfig, devices: list[torch.device],

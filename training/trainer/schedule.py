@@ -1,5 +1,5 @@
-"""The learning-rate schedule: linear warm-up, cosine decay, and its continuation when a resumed run ends
-elsewhere."""
+"""The learning-rate schedules: linear warm-up, then a cosine decay or WSD (warm-up, stable, decay), and their
+continuation when a resumed run ends elsewhere."""
 
 from __future__ import annotations
 
@@ -40,6 +40,50 @@ class CosineSchedule:
         self.continued_factor = self(step - 1)
         self.continued_from = step
         self.max_steps = max_steps
+
+
+class WSDSchedule:
+    """Warm-up, stable, decay: linear warm-up over ceil(warmup_ratio * max_steps) steps, the full rate until the
+    last ceil(decay_ratio * max_steps) steps, then linearly down to 0 at max_steps.
+
+    A checkpoint taken in the stable phase is the same run whatever its planned end: resumed with another
+    max_steps (`continue_to`), the stable phase goes on and the decay moves to the new end's last fraction. A
+    run resumed inside its decay decays from the rate it had to 0 at the new end. Plain-number fields, as
+    CosineSchedule's, so LambdaLR's state_dict saves them."""
+
+    def __init__(self, max_steps: int, warmup_ratio: float, decay_ratio: float):
+        self.decay_ratio = decay_ratio
+        self.plan(max_steps, warmup_ratio)
+
+    def plan(self, max_steps: int, warmup_ratio: float) -> None:
+        self.max_steps = max_steps
+        self.warmup = math.ceil(warmup_ratio * max_steps)
+        self.decay_from = max(self.warmup, max_steps - math.ceil(self.decay_ratio * max_steps))
+        self.decay_factor = 1.0  # the factor the decay starts from
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        if step < self.decay_from:
+            return 1.0
+        progress = (step - self.decay_from + 1) / (self.max_steps - self.decay_from + 1)
+        return self.decay_factor * (1.0 - progress)
+
+    def continue_to(self, step: int, max_steps: int) -> None:
+        """From `step` on, end at `max_steps`: stable until its decay, or (already decaying) down from here."""
+        if step <= self.decay_from:
+            self.max_steps = max_steps
+            self.decay_from = max(step, max_steps - math.ceil(self.decay_ratio * max_steps))
+            return
+        self.decay_factor = self(step - 1)
+        self.decay_from, self.max_steps = step, max_steps
+
+
+def make_schedule(name: str, max_steps: int, warmup_ratio: float, decay_ratio: float) -> CosineSchedule | WSDSchedule:
+    """The config's `schedule`: "cosine" or "wsd"."""
+    if name == "wsd":
+        return WSDSchedule(max_steps, warmup_ratio, decay_ratio)
+    return CosineSchedule(max_steps, warmup_ratio)
 
 
 def cosine_schedule(optimizer: torch.optim.Optimizer, max_steps: int, warmup_ratio: float):

@@ -3,25 +3,32 @@
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 
-from training.checkpoint import checkpoints_dir, latest_checkpoint
 from training.config import TrainConfig
 from training.console import say
-from training.devices import compute_dtype
-from training.distributed import default_micro_batch, join_nodes, node_env, run_fingerprint, tensor_sums
+from training.data.chat import Batch
+from training.distributed import (
+    Nodes,
+    SingleNode,
+    default_micro_batch,
+    join_nodes,
+    node_env,
+    run_fingerprint,
+    tensor_sums,
+)
 from training.entry import StopSignals
-from training.metrics import announce_output
+from training.layout.devices import compute_dtype
+from training.output.checkpoint import checkpoints_dir, latest_checkpoint
+from training.output.metrics import announce_output
+from training.output.reporters import check_installed
+from training.output.run_home import RunDir, resolve_run_dir
 from training.pipeline import Pipeline, PipelineConfig, RunResult, StepReport
-from training.reporters import check_installed
-from training.run_home import resolve_run_dir, run_record
-from training.trainer.batches import StepBatches, step_flops
-from training.trainer.checkpointing import CheckpointPolicy, prepare_output_dir, restore_checkpoint
-from training.trainer.components import BadStepGuard, EndOfRunExport, Evaluation, StepLog
-from training.trainer.debug import NanLossReplica, nan_loss_batches
+from training.trainer.checkpointing import prepare_output_dir, restore_checkpoint
+from training.trainer.components import RunComponents
 from training.trainer.replicas import TargetReplica
 from training.trainer.world import World, build_world, pick_layout
 
@@ -43,6 +50,19 @@ class StopRequest(StopSignals):
         return None if self.signal is None else signal.Signals(self.signal).name
 
 
+def resolve(config: TrainConfig, resume: bool) -> tuple[RunDir, TrainConfig, str]:
+    """Once, first: the run's own directory (training/output/run_home.py), said in the log and to gpuctl pull,
+    and on several nodes the micro-batch size a step's batch is shared in when it is unset (said with the step's
+    shape). The config comes back with both resolved."""
+    check_installed(config.report_to)  # before anything is made or loaded: exit 2 at once
+    run_dir = resolve_run_dir(config, resume)
+    say(run_dir.line)
+    announce_output("output_dir", run_dir.config.output_dir)  # for `gpuctl pull`
+    env = node_env()
+    config, shared_batch = default_micro_batch(run_dir.config, env.world_size if env else 1)
+    return run_dir, config, shared_batch
+
+
 class Trainer:
     """One run: build the world, resume, loop, finish (`run`). The world is the layout, the target's replicas,
     the data and the drafter replicas, on this node of the run's nodes (`join_nodes`: one or many, one
@@ -52,56 +72,50 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, resume: bool = False, stop: StopRequest | None = None,
                  on_node_lost: Callable[[str], None] | None = None):
-        self.config, self.resume_requested = config, resume
+        self.resume_requested = resume
         self.stop = stop or StopRequest()  # never entered: no signal handling when called as a library
         self.on_node_lost = on_node_lost
-        self.pipeline: Pipeline | None = None
+        self.run_dir, self.config, self.shared_batch = resolve(config, resume)
+        self.pipeline: Pipeline | None = None  # the heartbeat thread asks whether it failed
 
     def run(self) -> RunResult:
         """Train to config.max_steps, or until `stop` asks; the steps done and whether it stopped early."""
-        self.resolve()
         layout, devices, backend = pick_layout(self.config)  # refused before joining any node
         dtype = compute_dtype(self.config.dtype, torch.device(layout.replica_devices[0]) if layout else devices[0])
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
-        with join_nodes(self.config, self._node_lost) as self.nodes:
+        with join_nodes(self.config, self._node_lost) as nodes:
             # The world, the same on every node (checked), then where it resumes from.
-            world = self.build_world(layout, devices, backend, dtype)
-            step = self.resume(world)
+            world, share = self.build_world(nodes, layout, devices, backend, dtype)
+            step = self.resume(nodes, world)
             # Built once, called after every step, closed at the end.
-            self.build_components(world, step)
-            self.pipeline = self.build_pipeline(world, step)
+            components = RunComponents(self.config, nodes, world, share, step, self.run_dir.home)
+            self.pipeline = self.build_pipeline(
+                nodes, world, components.batches, share, step,
+                on_step=lambda report: components.after_step(report, self.pipeline.utilisation),
+                on_steady=lambda: components.on_steady(world))
             try:
-                if self.nodes.any_stops(self.stop.requested):  # a signal while loading, on any node
-                    return self.stopped_before_training(step)
+                if nodes.any_stops(self.stop.requested):  # a signal while loading, on any node
+                    return self.stopped_before_training(nodes, step)
                 # The loop: the pipeline's threads run the steps; the leader replica's calls after_step.
                 result = self.pipeline.run(stop=self.stop.reason)
             finally:
                 world.close()
-                self.step_log.close()
+                components.step_log.close()
             # Finish.
             world.say_compile_counters()
-            self.checkpoints.close(result.steps_done)
-            self.export.close(result)
-            self.nodes.wait_for_leader("final checkpoint and export")
-            self.say_how_it_ended(result)
+            components.checkpoints.close(result.steps_done)
+            components.export.close(result)
+            nodes.wait_for_leader("final checkpoint and export")
+            self.say_how_it_ended(nodes, result)
         return result
 
-    def resolve(self) -> None:
-        """Once, first: the run's own directory (training/run_home.py), said in the log and to gpuctl pull, and
-        on several nodes the micro-batch size a step's batch is shared in when it is unset."""
-        check_installed(self.config.report_to)  # before anything is made or loaded: exit 2 at once
-        self.run_dir = resolve_run_dir(self.config, self.resume_requested)
-        self.config = self.run_dir.config
-        say(self.run_dir.line)
-        announce_output("output_dir", self.config.output_dir)  # for `gpuctl pull`
-        env = node_env()
-        self.config, self.shared_batch = default_micro_batch(self.config, env.world_size if env else 1)
-
-    def build_world(self, layout, devices: list[torch.device], backend: str, dtype: torch.dtype) -> World:
-        """The layout, target, data and drafter replicas; every node checks it builds what node 0 builds."""
+    def build_world(self, nodes: Nodes | SingleNode, layout, devices: list[torch.device], backend: str,
+                    dtype: torch.dtype) -> tuple[World, list[int]]:
+        """The layout, target, data and drafter replicas; every node checks it builds what node 0 builds. With
+        the world, this node's share of each step's micro-batches."""
         config = self.config
-        if self.nodes.leader:
+        if nodes.leader:
             prepare_output_dir(config, self.resume_requested, self.run_dir.per_run)
         world = build_world(config, layout, devices, backend, dtype)
         target, leader = world.targets[0], world.replicas[0]
@@ -112,13 +126,13 @@ class Trainer:
         say(f"drafter: {config.num_draft_layers} layers, {leader.drafter.num_trainable() / 1e6:.2f} M trainable "
             f"parameters, {len(world.replicas)} replica(s); a step is {config.micro_batches_per_step()} "
             f"micro-batches of {config.micro_batch_rows()} sequences{self.shared_batch}")
-        self.share = self.nodes.share(config.micro_batches_per_step())
-        self.nodes.form_group(leader.device, config.node_backend)
-        self.nodes.check_same(lambda: self.fingerprint(world))
-        if len(self.share) < len(world.replicas):
-            say(f"note: {len(world.replicas)} replicas share {len(self.share)} micro-batch(es) a step: "
+        share = nodes.share(config.micro_batches_per_step())
+        nodes.form_group(leader.device, config.node_backend)
+        nodes.check_same(lambda: self.fingerprint(world))
+        if len(share) < len(world.replicas):
+            say(f"note: {len(world.replicas)} replicas share {len(share)} micro-batch(es) a step: "
                 "some idle every step; raise batch_size to use them")
-        return world
+        return world, share
 
     def fingerprint(self, world: World) -> dict:
         """What must be alike on every node (Nodes.check_same)."""
@@ -128,82 +142,48 @@ class Trainer:
         return run_fingerprint(self.config.to_dict(), world.data_id, target_config,
                                tensor_sums(target.model.named_parameters()), tensor_sums(trainable))
 
-    def resume(self, world: World) -> int:
+    def resume(self, nodes: Nodes | SingleNode, world: World) -> int:
         """The step to go on from: node 0's latest checkpoint (with --resume), which it sends to every other
         node (they do not share its disk), loaded into every replica and the data stream; else 0."""
         config = self.config
-        latest = latest_checkpoint(config.output_dir) if self.resume_requested and self.nodes.leader else None
-        received = Path(config.output_dir).expanduser() / ".from-node0" / f"node{self.nodes.rank}"
-        with self.nodes.resume_from(latest, received) as checkpoint:
+        latest = latest_checkpoint(config.output_dir) if self.resume_requested and nodes.leader else None
+        received = Path(config.output_dir).expanduser() / ".from-node0" / f"node{nodes.rank}"
+        with nodes.resume_from(latest, received) as checkpoint:
             if self.resume_requested or checkpoint is not None:
                 return restore_checkpoint(config, checkpoint, world.replicas, world.stream)
         return 0
 
-    def build_components(self, world: World, step: int) -> None:
-        config, leader, writes = self.config, world.replicas[0], self.nodes.leader
-        self.batches = StepBatches(world.stream, config.micro_batches_per_step(), step,
-                                   step_flops(config, world.targets[0], leader.drafter.config), share=self.share)
-        self.evaluation = Evaluation(config, leader, world.targets[0], world.held_out, leads=writes)
-        self.step_log = StepLog(config, leader, self.batches, world, self.evaluation, self.nodes)
-        self.step_log.start(step)
-        self.bad_steps = BadStepGuard(config.max_bad_steps)
-        self.checkpoints = CheckpointPolicy(config, leader, self.batches, step, writes=writes,
-                                            run=run_record(self.run_dir.home))
-        self.export = EndOfRunExport(config, writes=writes)
-
-    def build_pipeline(self, world: World, step: int) -> Pipeline:
+    def build_pipeline(self, nodes: Nodes | SingleNode, world: World, source: Iterable[Batch], share: list[int],
+                       step: int, on_step: Callable[[StepReport], None], on_steady: Callable[[], None]) -> Pipeline:
         """The pipeline over the world's layout: its target, drafter and colocated entries, in the layout's
-        order, over this node's share of each step."""
+        order, over this node's share of each step's micro-batches from `source`."""
         config, layout = self.config, world.layout
         n_targets, n_drafters = len(layout.targets), len(layout.drafters)
         pipeline_config = PipelineConfig(
             target_devices=[torch.device(d) for d in layout.targets],
             drafter_devices=[torch.device(d) for d in layout.drafters],
             colocated_devices=[torch.device(d) for d in layout.colocated],
-            micro_batches_per_step=len(self.share), queue_depth=config.queue_depth,
+            micro_batches_per_step=len(share), queue_depth=config.queue_depth,
             grad_clip=config.grad_clip, global_micro_batches_per_step=config.micro_batches_per_step(),
-            stall_timeout_s=self.nodes.stall_timeout_s(PipelineConfig.stall_timeout_s),
+            stall_timeout_s=nodes.stall_timeout_s(PipelineConfig.stall_timeout_s),
         )
-        replicas, source = list(world.replicas), self.batches
-        if config.debug_nan_steps:  # tests only: the bad-step guard, end to end
-            replicas = [NanLossReplica(replica) for replica in replicas]
-            source = nan_loss_batches(self.batches, len(self.share), step, config.debug_nan_steps)
+        replicas = list(world.replicas)
         colocated = list(zip([TargetReplica(t) for t in world.targets[n_targets:]], replicas[n_drafters:]))
-        self.nodes.begin(step)  # the first step's collectives wait out every node's warm-up
+        nodes.begin(step)  # the first step's collectives wait out every node's warm-up
         return Pipeline(pipeline_config, [TargetReplica(t) for t in world.targets[:n_targets]],
                         replicas[:n_drafters], source, start_step=step, max_steps=config.max_steps,
-                        on_step=self.after_step, colocated=colocated, on_steady=lambda: self.on_steady(world),
-                        nodes=self.nodes)
+                        on_step=on_step, colocated=colocated, on_steady=on_steady, nodes=nodes)
 
-    def on_steady(self, world: World) -> None:
-        """Every pipeline thread has warmed up, none has started: time and count compiles from here."""
-        self.step_log.steady()
-        if world.compiled is not None:
-            world.compiled.steady()
-
-    def after_step(self, report: StepReport) -> None:
-        """In the leader replica's thread, after every step: the components in order."""
-        self.step_log.after_step(report, self.pipeline.utilisation)
-        self.bad_steps.after_step(report)
-        self.checkpoints.after_step(report.step)
-        if self.leader_works_after(report.step):
-            self.nodes.wait_for_leader(f"step {report.step} checkpoint or evaluation")
-
-    def leader_works_after(self, done: int) -> bool:
-        """Node 0 checkpoints or evaluates after step `done`: the others wait for it with the long timeout."""
-        eval_every = self.config.eval_every
-        return self.checkpoints.due(done) or bool(eval_every and done % eval_every == 0)
-
-    def stopped_before_training(self, step: int) -> RunResult:
+    def stopped_before_training(self, nodes: Nodes | SingleNode, step: int) -> RunResult:
         """A signal while loading (on any node): nothing trained, nothing to save."""
         say(f"{self.stop.reason() or 'another node asked to stop'}: stopped at step {step} before training")
-        self.nodes.wait_for_leader("stop before training")
+        nodes.wait_for_leader("stop before training")
         return RunResult(step, stopped=True)
 
-    def say_how_it_ended(self, result: RunResult) -> None:
+    def say_how_it_ended(self, nodes: Nodes | SingleNode, result: RunResult) -> None:
         if result.stopped:
             say(f"stopped at step {result.steps_done}; checkpoint saved in {checkpoints_dir(self.config.output_dir)}"
-                + ("" if self.nodes.leader else " of node 0"))
+                + ("" if nodes.leader else " of node 0"))
         else:
             say(f"done: {result.steps_done} steps")
 

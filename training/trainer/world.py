@@ -11,33 +11,33 @@ from pathlib import Path
 
 import torch
 
-from training.attention import resolve_backend
-from training.compile import SharedFlexAttention, projected_qkv
+from training.compile.flex import SharedFlexAttention, projected_qkv
+from training.compile.run import CompiledRun
+from training.compile.stages import resolve_compile
 from training.config import ConfigError, TrainConfig, parse_devices
 from training.console import say
-from training.data import Batch, BatchStream, prepare_sequences
-from training.devices import check_devices
-from training.dflash2 import build_drafter
-from training.from_gguf import ensure_target_from_gguf
-from training.layout import (
+from training.data.chat import Batch, BatchStream, prepare_sequences
+from training.data.tokenized import load_training_data
+from training.layout.devices import check_devices
+from training.layout.roles import (
     Choice,
     Layout,
-    StageProfile,
+    RoleProfile,
     choose_layout,
     explicit_layout,
     layout_from_topology,
+    measure_roles,
     measure_shared,
-    measure_stages,
 )
-from training.model import Drafter, DrafterConfig
-from training.random_world import NUM_CONVERSATIONS as NUM_RANDOM_CONVERSATIONS
-from training.random_world import random_target, synthetic_conversations
-from training.stages import resolve_compile
-from training.target import Target
-from training.tokenized import load_training_data
-from training.trainer.compiled import CompiledRun
+from training.model.attention import resolve_backend
+from training.model.dflash2 import build_drafter
+from training.model.drafter import Drafter, DrafterConfig
+from training.serve.warm_start import WarmStart, apply_warm_start, copy_target_layers, read_warm_start
+from training.target.from_gguf import ensure_target_from_gguf
+from training.target.frozen import Target
+from training.target.random_world import NUM_CONVERSATIONS as NUM_RANDOM_CONVERSATIONS
+from training.target.random_world import random_target, synthetic_conversations
 from training.trainer.replicas import DrafterReplica, shared_flex_attention
-from training.warm_start import WarmStart, apply_warm_start, read_warm_start
 
 
 def pick_layout(config: TrainConfig) -> tuple[Layout | None, list[torch.device], str]:
@@ -67,17 +67,18 @@ def load_targets(config: TrainConfig, devices: list[torch.device], dtype: torch.
     """The frozen target, one replica per device given, loaded (or, with random_target, built) one at a time
     in this thread."""
     if config.random_target:
-        return [random_target(config.random_target, device, dtype, config.target_layers or None, config.seed)
-                for device in devices]
+        return [random_target(config.random_target, device, dtype, config.target_layers or None, config.seed,
+                              teacher=config.distill) for device in devices]
     if config.build_tiny:
-        from training.tiny import ensure_tiny
+        from training.target.tiny import ensure_tiny
 
         ensure_tiny(config.target_path, config.data_path, config.eval_data_path, config.seed)
     if config.target_gguf:
         ensure_target_from_gguf(config.target_path, config.target_gguf)
     if not (Path(config.target_path).expanduser() / "config.json").is_file():
         raise ConfigError(f"target_path {config.target_path} is not a model directory (no config.json)")
-    return [Target.load(config.target_path, device, dtype, config.target_layers or None, config.mask_token)
+    return [Target.load(config.target_path, device, dtype, config.target_layers or None, config.mask_token,
+                        teacher=config.distill)
             for device in devices]
 
 
@@ -123,11 +124,13 @@ def build_drafters(config: TrainConfig, target: Target, devices: list[torch.devi
     # Initialised in place: a 1 B-parameter drafter is slow to init on a CPU.
     with torch.device(devices[0]):
         drafter = build_drafter(drafter_config, embedding, lm_head)
+    if config.init_layers == "target":
+        copy_target_layers(drafter, target.model)
     apply_warm_start(drafter, warm)
     return [drafter] + [copy.deepcopy(drafter).to(device) for device in devices[1:]]
 
 
-TRIAL_BATCHES = 4  # micro-batches the layout trial times each stage on (the first is warm-up)
+TRIAL_BATCHES = 4  # micro-batches the layout trial times each role on (the first is warm-up)
 
 
 def layout_trial(config: TrainConfig, devices: list[torch.device], target: Target, replica: DrafterReplica,
@@ -135,7 +138,7 @@ def layout_trial(config: TrainConfig, devices: list[torch.device], target: Targe
     """topology "auto": time a target forward and a drafter step (forward + backward, no optimizer step, so
     the weights stay as built) on the run's first micro-batches, on the first device, measure their memory,
     then the two running at once in two threads (measured on any device; offered as a layout on GPUs), and
-    choose the layout (training/layout.py). The data stream is not advanced; the compiled attention is warmed
+    choose the layout (training/layout/roles.py). The data stream is not advanced; the compiled attention is warmed
     and called within its discipline (SharedFlexAttention.trial: only this thread calls it; the pair's other
     thread runs the target, whose compiled layers are warmed already)."""
     device = replica.device
@@ -154,10 +157,10 @@ def layout_trial(config: TrainConfig, devices: list[torch.device], target: Targe
                 else contextlib.nullcontext())
 
     def target_forward(batch: Batch) -> torch.Tensor:
-        return target.features(batch.input_ids, compiled=True)
+        return target.training_features(batch.input_ids)
 
     with compiled:
-        measured = measure_stages(device, batches, config.micro_batch_rows(), target_forward, drafter_step)
+        measured = measure_roles(device, batches, config.micro_batch_rows(), target_forward, drafter_step)
         shared = measure_shared(device, batches, config.micro_batch_rows(), target_forward, drafter_step,
                                 steps=2 * TRIAL_BATCHES)
 
@@ -165,7 +168,7 @@ def layout_trial(config: TrainConfig, devices: list[torch.device], target: Targe
         return sum(t.numel() * t.element_size() for t in tensors)
 
     rows = config.micro_batch_rows()
-    profile = StageProfile(
+    profile = RoleProfile(
         target_s=measured["target_s"], drafter_s=measured["drafter_s"], rows=rows,
         tokens_per_sequence=sum(b.num_tokens for b in batches) / (len(batches) * rows),
         target_static=nbytes([*target.model.parameters(), *target.model.buffers()]),

@@ -1,5 +1,5 @@
 """A stand-in for vLLM's offline API (`LLM`, `SamplingParams`, `vllm.inputs.TokensPrompt`), enough for
-training/generation.py's EngineGenerator to run on the CPU: the engine is transformers' model, decoding one
+training/regenerate/generation.py's EngineGenerator to run on the CPU: the engine is transformers' model, decoding one
 prompt at a time, greedy or seeded sampling, and its outputs are shaped as vLLM's (`RequestOutput.outputs[0]`
 with `token_ids`, the stop token included as vLLM includes it, and `finish_reason` "stop" or "length"). Every
 call is recorded in CALLS for the tests to read."""

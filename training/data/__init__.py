@@ -1,0 +1,2 @@
+"""The training data: chat conversations to fixed-shape batches (`chat.py`), tokenised once and cached on disk
+(`tokenized.py`), and prompts from a real source for regeneration (`prompts.py`, `python -m training.prompts`)."""
