@@ -7,7 +7,9 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import uuid
+from pathlib import Path
 
 import pytest
 from tenacity import retry, stop_after_delay, wait_fixed
@@ -117,6 +119,12 @@ def test_an_interpreter_under_tmp_runs_a_launch_to_its_end(tmp_path):
     assert str(venv).startswith("/tmp/")
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
     python = str(venv / "bin" / "python")
+    # And this interpreter's packages, ahead of those: where it is a virtual environment itself,
+    # --system-site-packages gives only the packages of the Python that one was made from.
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    ours = sorted({sysconfig.get_path("purelib"), sysconfig.get_path("platlib")})
+    Path(site, "test-interpreter.pth").write_text("".join(f"import site; site.addsitedir({d!r})\n" for d in ours))
     env = clean_env(tmp_path)
     standin = tmp_path / "standin"
     up(python, env, "--dir", str(standin))
