@@ -226,8 +226,9 @@ def test_a_second_ctrl_c_ends_at_once_in_one_line_and_the_next_run_finishes(tiny
     count = 32
     prompts = write_prompts(tmp_path / "prompts.jsonl", count)
     output = tmp_path / "regenerated.jsonl"
-    # Batches long enough (8 records, 64 tokens each) that the second Ctrl-C lands while one is in flight.
-    command = regenerate_command(tiny_world, tmp_path / "prompts.jsonl", output, "batch_size=8", "max_new_tokens=64")
+    # Batches long enough (8 records, 256 tokens each: about 2 s on the CPU, 0.5 s at 64 was not enough under
+    # CI's load) that the second Ctrl-C lands while one is in flight.
+    command = regenerate_command(tiny_world, tmp_path / "prompts.jsonl", output, "batch_size=8", "max_new_tokens=256")
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen: list[str] = []
     reader = threading.Thread(target=lambda: seen.extend(process.stdout), daemon=True)
