@@ -3,7 +3,8 @@ trains on its answers, and the reference DFlash loop measures it (README "Train 
 
     python bench/real_target.py regenerate --work W --prompts P [--shards 4] [--seconds 450] --out O
     python bench/real_target.py train --work W --data D --chat C --steps N [--conversations K] [--architecture
-        dflash|dflash2] [--set KEY=VALUE ...] [--resume] [--measure [--speedup]] --name NAME --out O
+        dflash|dflash2] [--set KEY=VALUE ...] [--resume] [--measure [--speedup [--speedup-limit N]]] --name NAME
+        --out O
     python bench/real_target.py join PARTS_DIR EXPORT_DIR
     python bench/real_target.py report O... [--plot FILE]
 
@@ -21,7 +22,7 @@ of an earlier call on the same machine (its checkpoint, to the new `--steps`): o
 `--measure` makes the call an arm: after training, the export is measured on the same GPU by the reference loop
 (`python -m training.acceptance`, float32, greedy: HumanEval's first `--eval-limit` problems and the chat set's,
 the two sets side by side), with the trainer's tau beside the served one, and `--speedup` adds the wall-clock
-speed-up over the target's own greedy decode (bf16, batch 1, HumanEval 16); the arm's row (O/NAME.json) holds
+speed-up over the target's own greedy decode (bf16, batch 1, HumanEval's first `--speedup-limit`, 16); the arm's row (O/NAME.json) holds
 them all. `report` prints the table of every run under the O directories and draws tau against steps. What each call's command line is, with the
 files it carries: docs/BENCHMARKS.md, "A drafter that accelerates SmolLM2".
 """
@@ -242,7 +243,7 @@ def measure_arm(args: argparse.Namespace, work: Path, export: Path, out: Path) -
     if args.speedup:
         result = out / f"{args.name}-speedup.json"
         with open(out / f"{args.name}-speedup.log", "w") as log:
-            subprocess.run(python("-m", "training.acceptance", *common, "--prompts", "humaneval", "--limit", "16",
+            subprocess.run(python("-m", "training.acceptance", *common, "--prompts", "humaneval", "--limit", str(args.speedup_limit),
                                   "--dtype", "bfloat16", "--speedup", "--json", str(result)),
                            cwd=ROOT, check=False, stdout=log, stderr=subprocess.STDOUT)
         if result.exists():
@@ -390,6 +391,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     fit.add_argument("--resume", action="store_true", help="continue the run NAME of an earlier call (to --steps)")
     fit.add_argument("--measure", action="store_true", help="then measure the export in the reference loop")
     fit.add_argument("--speedup", action="store_true", help="with --measure: also the bf16 wall-clock speed-up")
+    fit.add_argument("--speedup-limit", type=int, default=16, help="with --speedup: HumanEval's first N problems")
     fit.add_argument("--eval-limit", type=int, default=64, help="with --measure: prompts of each set")
     fit.add_argument("--eval-new-tokens", type=int, default=256, help="with --measure: tokens per prompt")
     fit.add_argument("--out", required=True)
