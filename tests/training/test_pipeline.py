@@ -524,8 +524,10 @@ def test_a_non_finite_gradient_with_a_finite_loss_is_named():
             return [name for name, _ in self.model.named_parameters()]
 
     drafters = [NamedToyDrafter(CPU, replica=i) for i in range(2)]
-    # Replica 1's last bias gets an inf gradient in every backward; the loss stays finite.
-    drafters[1].model[2].bias.register_hook(lambda grad: grad + float("inf"))
+    # The last bias gets an inf gradient in every backward; the loss stays finite. On both replicas: which one
+    # takes a step's micro-batches is the threads' timing (under load one replica took both of a step's).
+    for drafter in drafters:
+        drafter.model[2].bias.register_hook(lambda grad: grad + float("inf"))
     reports: list[StepReport] = []
     pipeline = Pipeline(PipelineConfig([CPU], [CPU] * 2, micro_batches_per_step=2), [ToyTarget(CPU)], drafters,
                         make_batches(6), start_step=0, max_steps=3, on_step=reports.append)

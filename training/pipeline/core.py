@@ -107,8 +107,8 @@ class Pipeline:
 
     def utilisation(self) -> Utilisation:
         """Busy fractions and queue depth since the previous call (or since steady state began)."""
-        window, busy = self._threads.clocks.take_window()
-        mean, peak = self._handoff.take_depth_window(window)
+        _, busy = self._threads.clocks.take_window()
+        mean, peak = self._handoff.take_depth_window()
         return Utilisation(busy, mean, peak, self.config.queue_depth)
 
     def _fail(self, thread: str, error: BaseException) -> None:

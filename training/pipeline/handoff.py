@@ -35,7 +35,7 @@ class Handoff:
         self._next_index: dict[int, int] = {}  # step -> next index drafters look at
         self._done: dict[int, int] = {}  # step -> micro-batches whose backward finished
         self._depth_area = 0.0
-        self._depth_since = time.perf_counter()
+        self._depth_since = self._depth_window_start = time.perf_counter()
         self._depth_max = 0
 
     def _note_depth_change(self) -> None:
@@ -43,12 +43,16 @@ class Handoff:
         self._depth_area += len(self._ready) * (now - self._depth_since)
         self._depth_since = now
 
-    def take_depth_window(self, window_s: float) -> tuple[float, int]:
+    def take_depth_window(self) -> tuple[float, int]:
+        """The time-weighted mean and the peak of the ready micro-batches since the last call. The mean is over
+        the handoff's own window (not the thread clocks', taken a moment apart), so it never exceeds the peak."""
         with self.cond:
             self._note_depth_change()
+            window_s = self._depth_since - self._depth_window_start
             mean = self._depth_area / window_s if window_s > 0 else 0.0
             peak = self._depth_max
             self._depth_area, self._depth_max = 0.0, len(self._ready)
+            self._depth_window_start = self._depth_since
             return mean, peak
 
     def _wait(self) -> None:

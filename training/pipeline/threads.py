@@ -86,7 +86,7 @@ class PipelineThreads:
     def _start_steady_state(self) -> None:
         self.steady = True
         self.clocks.take_window()
-        self._handoff.take_depth_window(0.0)
+        self._handoff.take_depth_window()
         if self._on_steady is not None:
             self._on_steady()
 
