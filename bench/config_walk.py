@@ -6,9 +6,9 @@ From training/trainer/world.py's `build_world`, every call that passes the confi
 keyword, under whatever name the callee gives it) is followed into the callee, depth first, each function once:
 a function, a class's `__init__`, a method of the same class through `self.`. A callee given only a field of the
 config (`config.compile`) is read too, but not followed on. The reader's trail is the module of
-each function entered and, after it, of the caller returned to. Printed per tree: the functions read (stays),
-the module changes on the trail, the returns (a change back into a module the trail had left before) and the
-module returned to most. Calls through objects other than `self` (a replica's method) are not followed: what a
+each function entered and, after it, of the caller returned to. Printed per tree, by module and by folder (the
+package under training/ a module is in: what a reader opens): the functions read (stays), the changes on the
+trail, the returns (a change back into a home the trail had left before) and the homes returned to most. Calls through objects other than `self` (a replica's method) are not followed: what a
 reader can follow by name alone.
 """
 
@@ -127,22 +127,34 @@ def walk(tree: Tree) -> tuple[list[tuple[str, str]], list[str]]:
     return read, trail
 
 
+def package(module: str) -> str:
+    """A module's folder under training/ (training.data.chat: training.data); a top-level module is its own."""
+    return ".".join(module.split(".")[:2])
+
+
+def counted(trail: list[str]) -> tuple[int, int, int, str]:
+    """Homes, changes, returns and the two homes returned to most, of a trail (repeats collapsed again)."""
+    trail = [home for i, home in enumerate(trail) if i == 0 or trail[i - 1] != home]
+    seen: set[str] = set()
+    returns: collections.Counter[str] = collections.Counter()
+    for home in trail:
+        if home in seen:
+            returns[home] += 1
+        seen.add(home)
+    top = ", ".join(f"{m.removeprefix('training.')} {n}" for m, n in returns.most_common(2))
+    return len(seen), len(trail) - 1, sum(returns.values()), top
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trees", nargs="*", type=Path, default=[Path(__file__).resolve().parents[1]])
     args = parser.parse_args()
-    print("| tree | functions read | modules | module changes | returns | most returned to |")
-    print("|---|---:|---:|---:|---:|---|")
+    print("| tree | functions read | homes: | how many | changes | returns | most returned to |")
+    print("|---|---:|---|---:|---:|---:|---|")
     for root in args.trees:
         read, trail = walk(Tree(root))
-        seen: set[str] = set()
-        returns: collections.Counter[str] = collections.Counter()
-        for module in trail:
-            if module in seen:
-                returns[module] += 1
-            seen.add(module)
-        top = ", ".join(f"{m} {n}" for m, n in returns.most_common(2))
-        print(f"| {root} | {len(read)} | {len(seen)} | {len(trail) - 1} | {sum(returns.values())} | {top} |")
+        for level, homes in (("modules", trail), ("folders", [package(m) for m in trail])):
+            print(f"| {root} | {len(read)} | {level} | " + " | ".join(map(str, counted(homes))) + " |")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ import contextlib
 import copy
 import gc
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -16,8 +15,8 @@ from training.compile.run import CompiledRun
 from training.compile.stages import resolve_compile
 from training.config import ConfigError, TrainConfig, parse_devices
 from training.console import say
-from training.data.chat import Batch, BatchStream, prepare_sequences
-from training.data.tokenized import load_training_data
+from training.data.chat import Batch, BatchStream
+from training.data.load import load_data
 from training.layout.devices import check_devices
 from training.layout.roles import (
     Choice,
@@ -33,10 +32,8 @@ from training.model.attention import resolve_backend
 from training.model.dflash2 import build_drafter
 from training.model.drafter import Drafter, DrafterConfig
 from training.serve.warm_start import WarmStart, apply_warm_start, copy_target_layers, read_warm_start
-from training.target.from_gguf import ensure_target_from_gguf
 from training.target.frozen import Target
-from training.target.random_world import NUM_CONVERSATIONS as NUM_RANDOM_CONVERSATIONS
-from training.target.random_world import random_target, synthetic_conversations
+from training.target.load import load_targets
 from training.trainer.replicas import DrafterReplica, shared_flex_attention
 
 
@@ -61,52 +58,6 @@ def pick_layout(config: TrainConfig) -> tuple[Layout | None, list[torch.device],
         raise ConfigError("attention=flex needs a CUDA device for every drafter (torch refuses "
                           "flex_attention's backward on the CPU); use sdpa or auto")
     return layout, devices, backend
-
-
-def load_targets(config: TrainConfig, devices: list[torch.device], dtype: torch.dtype) -> list[Target]:
-    """The frozen target, one replica per device given, loaded (or, with random_target, built) one at a time
-    in this thread."""
-    if config.random_target:
-        return [random_target(config.random_target, device, dtype, config.target_layers or None, config.seed,
-                              teacher=config.distill) for device in devices]
-    if config.build_tiny:
-        from training.target.tiny import ensure_tiny
-
-        ensure_tiny(config.target_path, config.data_path, config.eval_data_path, config.seed)
-    if config.target_gguf:
-        ensure_target_from_gguf(config.target_path, config.target_gguf)
-    if not (Path(config.target_path).expanduser() / "config.json").is_file():
-        raise ConfigError(f"target_path {config.target_path} is not a model directory (no config.json)")
-    return [Target.load(config.target_path, device, dtype, config.target_layers or None, config.mask_token,
-                        teacher=config.distill)
-            for device in devices]
-
-
-def load_data(config: TrainConfig, tokenizer) -> tuple[BatchStream, list[list[dict]], dict]:
-    """The training micro-batches, the held-out conversations evaluation drafts on (eval_data_path, else
-    the tail of the training data, through the tokenized cache; with random_target, synthetic conversations
-    that fill max_length, tokenized here), and what identifies the training data (the tokenized cache's key:
-    the data file's sha256, the tokenizer, the template options; and the count kept). Bad lines stop the run,
-    or with skip_bad_data are skipped; they and the conversations the recipe drops (under 2 x block_size loss
-    tokens) are counted in one line."""
-    if config.random_target:
-        conversations = synthetic_conversations(NUM_RANDOM_CONVERSATIONS + config.eval_prompts, config.max_length,
-                                                config.seed)
-        cut = len(conversations) - config.eval_prompts
-        sequences = prepare_sequences(tokenizer, conversations[:cut], config.max_length, config.block_size,
-                                      {"enable_thinking": config.enable_thinking})
-        held_out = conversations[cut:]
-        data_id = {"synthetic conversations of seed": config.seed}
-    else:
-        data = load_training_data(tokenizer, config, log=say)  # tokenised once, then read from its cache
-        sequences, held_out = data.sequences, data.held_out
-        # What decides the ids (not the path, nor the libraries' versions when the tokenizer is the same).
-        data_id = {key: data.tokenized.index["fields"][key] for key in
-                   ("data_sha256", "tokenizer", "max_length", "template_options", "skip_bad_data")}
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    stream = BatchStream(sequences, config.micro_batch_rows(), config.buckets(), config.block_size,
-                         config.num_anchors, pad_id, config.seed)
-    return stream, held_out, {**data_id, "sequences kept": len(sequences)}
 
 
 def build_drafters(config: TrainConfig, target: Target, devices: list[torch.device],
