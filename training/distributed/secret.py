@@ -161,18 +161,24 @@ def _remaining(deadline: float) -> timedelta:
     return timedelta(seconds=max(0.05, deadline - time.monotonic()))
 
 
+class GoneAfterUnsigned(Exception):
+    """The store went away (node 0 ended) while only values without the run's secret had come."""
+
+
 def _wait_good(store, key: str, deadline: float, opened, where: str, what: str):
     """`opened(raw)` of the value at `key` once it is good (not None); a bad value is one warning, and the wait
-    goes on for a good one until `deadline` (TimeoutError then)."""
+    goes on for a good one until `deadline` (TimeoutError then; GoneAfterUnsigned if the store goes first)."""
     bad = None
     while True:
         try:
             store.wait([key], _remaining(deadline))
+            raw = store.get(key)
         except Exception as err:  # torch raises DistStoreError or RuntimeError on a timeout
             if time.monotonic() >= deadline - 0.1:
                 raise TimeoutError(str(err)) from None
+            if bad is not None:  # node 0 ended (its own deadline came first) having proven nothing
+                raise GoneAfterUnsigned(str(err)) from None
             raise
-        raw = store.get(key)
         value = opened(raw)
         if value is not None:
             return value
@@ -250,6 +256,9 @@ def prove_to_leader(store, secret: bytes, env: NodeEnv, deadline: float, start_s
     except TimeoutError:
         raise NodeLost(f"{where} did not prove the run's node secret within {start_s:.0f} s (node_start_timeout_s): "
                        "not started, started with another secret or WORLD_SIZE, or not this run's node 0") from None
+    except GoneAfterUnsigned:
+        raise NodeLost(f"{where} did not prove the run's node secret (what it wrote is not signed with this node's) "
+                       "and then ended: started with another secret or WORLD_SIZE, or not this run's node 0") from None
     except Exception as err:  # noqa: BLE001 - the store went: node 0 ended
         raise NodeLost(f"{where} ended before accepting this node (its log says why): "
                        f"{type(err).__name__}: {err}") from None
