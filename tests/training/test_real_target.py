@@ -212,17 +212,23 @@ def test_acceptance_refuses_bad_input_in_one_line(smollm2, smollm2_run, tmp_path
                                                         str(smollm2), "--prompts", str(prompts))
 
 
-def test_the_real_target_bench_trains_splits_and_joins_its_export(smollm2, chats, tmp_path):
-    """bench/real_target.py's train verb on the CPU (two steps): its table, its metrics, and the export in
-    parts of at most 15 MiB that `join` puts back byte for byte; `report` draws τ against steps."""
-    import subprocess
-
+def bench_folders(smollm2: Path, tmp_path: Path) -> tuple[list[str], Path, Path, Path]:
+    """bench/real_target.py's command, its --work (the target linked in), its --out and a one-prompt --chat set."""
     bench = [sys.executable, str(Path(__file__).resolve().parents[2] / "bench" / "real_target.py")]
     work, out = tmp_path / "work", tmp_path / "out"
     work.mkdir()
     (work / "target").symlink_to(smollm2)
     chat = tmp_path / "chat.jsonl"
     chat.write_text(json.dumps({"set": "chat", "messages": [{"role": "user", "content": "Name a colour."}]}) + "\n")
+    return bench, work, out, chat
+
+
+def test_the_real_target_bench_trains_splits_and_joins_its_export(smollm2, chats, tmp_path):
+    """bench/real_target.py's train verb on the CPU (two steps): its table, its metrics, and the export in
+    parts of at most 15 MiB that `join` puts back byte for byte; `report` draws τ against steps."""
+    import subprocess
+
+    bench, work, out, chat = bench_folders(smollm2, tmp_path)
     small = [a for s in SMALL_RUN if not s.startswith(("devices=", "eval_prompts=", "save_every="))
              for a in ("--set", s)]
     result = subprocess.run(bench + ["train", "--work", str(work), "--data", str(chats), "--chat", str(chat),
@@ -272,12 +278,7 @@ def test_the_bench_trains_a_dflash2_drafter_for_smollm2_that_serves_losslessly(s
     step by step."""
     import subprocess
 
-    bench = [sys.executable, str(Path(__file__).resolve().parents[2] / "bench" / "real_target.py")]
-    work, out = tmp_path / "work", tmp_path / "out"
-    work.mkdir()
-    (work / "target").symlink_to(smollm2)
-    chat = tmp_path / "chat.jsonl"
-    chat.write_text(json.dumps({"set": "chat", "messages": [{"role": "user", "content": "Name a colour."}]}) + "\n")
+    bench, work, out, chat = bench_folders(smollm2, tmp_path)
     small = [a for s in SMALL_RUN if not s.startswith(("devices=", "eval_prompts=", "save_every="))
              for a in ("--set", s)]
     result = subprocess.run(bench + ["train", "--work", str(work), "--data", str(chats), "--chat", str(chat),
@@ -306,12 +307,7 @@ def test_a_bench_arm_trains_measures_in_the_reference_and_a_second_call_resumes_
     speed-up, and `report` prints the arm's served figures and draws every arm."""
     import subprocess
 
-    bench = [sys.executable, str(Path(__file__).resolve().parents[2] / "bench" / "real_target.py")]
-    work, out = tmp_path / "work", tmp_path / "out"
-    work.mkdir()
-    (work / "target").symlink_to(smollm2)
-    chat = tmp_path / "chat.jsonl"
-    chat.write_text(json.dumps({"set": "chat", "messages": [{"role": "user", "content": "Name a colour."}]}) + "\n")
+    bench, work, out, chat = bench_folders(smollm2, tmp_path)
     small = [a for s in [*SMALL_RUN, "init_layers=target", "schedule=wsd"]
              if not s.startswith(("devices=", "eval_prompts=", "save_every=", "max_steps=")) for a in ("--set", s)]
     arm = bench + ["train", "--work", str(work), "--data", str(chats), "--chat", str(chat), "--eval-every", "2",
