@@ -99,8 +99,9 @@ def test_run_that_succeeds(gpuctl):
 
 
 def test_run_that_fails(gpuctl):
-    launched = gpuctl.launch_fake("steps=20", "step_s=0.05", "exit=3")
+    launched = gpuctl.launch_fake("steps=20", "step_s=0.05", "exit=3", "hold=/workspace/release")  # ends when told
     assert launched.code == 0, launched.stderr
+    gpuctl.path("/workspace/release").touch()
     followed = gpuctl("logs", "--follow")
     assert followed.code == 1
     assert followed.stdout.rstrip().endswith("done, exit 3")
@@ -330,8 +331,10 @@ def test_status_reads_progress_and_eta_while_running(gpuctl):
 
 def test_a_trainer_that_ends_takes_the_children_it_left_in_the_run_with_it(gpuctl, standin, ctid):
     # A failed trainer (as a multi-node one that lost a node ends: at once) leaves a child and a grandchild.
-    launched = gpuctl.launch_fake("steps=2", "child=1", "exit=1")
+    # It holds until the test says, so it ends after launch has seen it start (a 2-step run could end during it).
+    launched = gpuctl.launch_fake("steps=2", "child=1", "exit=1", "hold=/workspace/release")
     assert launched.code == 0, launched.stderr
+    gpuctl.path("/workspace/release").touch()
 
     @retry(stop=stop_after_delay(30), wait=wait_fixed(0.2), reraise=True)
     def nothing_left() -> None:

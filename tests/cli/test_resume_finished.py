@@ -31,7 +31,8 @@ def test_resuming_a_finished_run_does_nothing_unless_max_steps_is_raised(gpuctl)
 
 
 def test_a_failed_or_killed_run_resumes_as_before(gpuctl):
-    assert gpuctl.launch_fake("steps=3", "exit=1").code == 0
+    assert gpuctl.launch_fake("steps=3", "exit=1", "hold=/workspace/release").code == 0  # ends when told: after launch
+    gpuctl.path("/workspace/release").touch()
     assert gpuctl("logs", "--follow").code == 1  # failed after its 3 steps
     resumed = gpuctl("launch", "--resume", "--json")
     assert resumed.code == 0 and resumed.json()["resumed_from"] == "tl1", resumed.stderr
