@@ -42,9 +42,11 @@ from training.compile.flex import (
     RecompileLimitTooSmall,
     SharedFlexAttention,
     UnwarmedShapeError,
+    compile_accepts_recompile_limit,
     fx_tracing_flag,
     projected_qkv,
 )
+from training.compile.stages import CompiledStage
 from training.model.mask import build_block_mask, dense_mask
 
 BLOCK = 16
@@ -235,6 +237,62 @@ def test_threads_share_the_warm_cache_without_tracing_or_eager_runs():
     assert stats.fx_traces_after_warmup == 0
     assert stats.eager_runs == 0
     assert stats.fx_tracing_flag is False
+
+
+def scaled_sum(x, y):
+    return (x * y).sum(-1)
+
+
+def scaled_sum_unlocked(x, y):  # the same function, its own code object: its own dynamo cache, no call lock
+    return (x * y).sum(-1)
+
+
+def test_threads_calling_warmed_keys_never_miss_dynamo_s_cache():
+    """Dynamo's cache lookup races: a thread that lets another run while it checks guards can walk past its
+    entry as the other moves that entry to the list's front, miss a warmed key and, under fail_on_recompile,
+    fail. CompiledStage (and the shared flex_attention) make each code object's lookups single-file; the same
+    function compiled without the lock is the negative control, in the same threads."""
+    shapes = [(batch, width) for batch in (1, 2, 3) for width in (8, 16, 24, 32)]
+    stage = CompiledStage("scaled sum", scaled_sum, keys_expected=2 * len(shapes), backend="eager")
+    unlocked = torch.compile(scaled_sum_unlocked, dynamic=False, fullgraph=True, backend="eager",
+                             **({"recompile_limit": 32} if compile_accepts_recompile_limit() else {}))
+
+    def inputs(shape, grad: bool):
+        return torch.randn(*shape, requires_grad=grad), torch.randn(*shape)
+
+    # torch 2.11 takes the limit from the config only; this thread warms (patched: no later test sees it).
+    with torch._dynamo.config.patch(recompile_limit=32), stage.warming():
+        for shape in shapes:
+            for grad in (False, True):
+                with torch.set_grad_enabled(grad):
+                    stage(*inputs(shape, grad))
+                    unlocked(*inputs(shape, grad))
+    stage.seal()
+    torch.compiler.set_stance("fail_on_recompile")
+    misses = {"stage": 0, "unlocked": 0}
+    lock = threading.Lock()
+
+    def worker(index: int) -> None:
+        for step in range(1500):
+            grad = step % 2 == 0
+            for name, fn in (("stage", stage), ("unlocked", unlocked)):
+                with torch.set_grad_enabled(grad):
+                    try:
+                        fn(*inputs(shapes[(index + step) % len(shapes)], grad))
+                    except RuntimeError as error:
+                        assert "fail_on_recompile" in str(error), error
+                        with lock:
+                            misses[name] += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # the GIL changes hands more often: the race shows in a second, not a day
+    try:
+        assert run_threads(worker, 4) == [None] * 4
+    finally:
+        sys.setswitchinterval(interval)
+    print("misses of warmed keys:", misses)
+    assert misses["stage"] == 0
+    assert misses["unlocked"] > 0  # the race is real in this torch: the lock is what keeps it out
 
 
 def test_undisciplined_compile_overflows_into_eager_tracing_calls():

@@ -41,6 +41,22 @@ COMPILE_LOCK = threading.RLock()
 
 LimitVia = Literal["auto", "compile_kwarg", "thread_config"]
 
+_CALL_LOCKS: dict[object, threading.RLock] = {}
+_CALL_LOCKS_GUARD = threading.Lock()
+
+
+def call_lock(fn: Callable) -> threading.RLock:
+    """The lock every call of a compiled `fn` holds, one per code object (where dynamo keeps the cache).
+
+    Dynamo's cache lookup is not thread-safe: a thread checking the entries' guards can let another thread run
+    (the GIL changes hands), which moves the entry it hit to the front of the list; the first thread then walks
+    past the key it needs and misses a warmed entry: a recompile, which fail_on_recompile makes an error (1.8%
+    of the calls of 4 threads over 12 warmed keys on torch 2.13; ARCHITECTURE §6). Single-file lookups cost
+    little: the GIL already serializes them, and on a GPU the call behind the lookup only launches kernels."""
+    code = getattr(fn, "__code__", fn)
+    with _CALL_LOCKS_GUARD:
+        return _CALL_LOCKS.setdefault(code, threading.RLock())
+
 
 class CompileDisciplineError(RuntimeError):
     """The shared compiled attention was used against its discipline."""
@@ -220,13 +236,14 @@ class LimitedCompile:
         self.limit_via = limit_via
         limit_kwarg = {"recompile_limit": self.recompile_limit} if limit_via == "compile_kwarg" else {}
         self._compiled = torch.compile(fn, dynamic=False, fullgraph=True, backend=backend, **limit_kwarg)
+        self._call_lock = call_lock(fn)
         self._thread = threading.local()
 
     def __call__(self, q, k, v, block_mask) -> torch.Tensor:
         # Dynamo guards on the global autocast state: a trainer under autocast would miss every entry warmed
         # outside it (a recompile per key, seen on an H200). q/k/v arrive in the attention dtype already, so
         # every call, warm-up and steady state alike, runs with autocast off: one state, one entry per key.
-        with torch.autocast(q.device.type, enabled=False):
+        with torch.autocast(q.device.type, enabled=False), self._call_lock:
             return self._compiled(q, k, v, block_mask=block_mask, enable_gqa=q.size(1) != k.size(1))
 
     def limit_in_force(self) -> int:
