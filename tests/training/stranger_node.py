@@ -77,9 +77,11 @@ def main(port: int, marker: str, forged: bool, listing: bool) -> None:
         store = dist.PrefixStore(prefix, store)
     threading.Thread(target=beat, args=(store, beats), daemon=True).start()
     dist.init_process_group("gloo", store=store, rank=1, world_size=2, timeout=timedelta(seconds=60))
+    # Said at once: node 0 accepted this peer. Whatever this node sends next can end node 0 (a collective of
+    # another shape), and the test may stop this process before a later line is written.
+    print("in the process group", flush=True)
     dist.new_group(backend="gloo")
     dist.barrier()
-    print("in the process group", flush=True)
     evil = Marker(marker)
     calls = [lambda: dist.all_gather_object([None, None], evil),
              lambda: dist.broadcast_object_list([evil], src=1),
