@@ -515,11 +515,11 @@ def test_bench_compile_race_runs_on_the_cpu(undisciplined: bool):
     done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300, cwd=REPO)
     header, row = done.stdout.splitlines()[:2]
     columns = dict(zip(header.split(), row.split()))
-    assert columns["hang"] == "False" and columns["fx_errors"] == "0", done.stdout + done.stderr[-2000:]
-    if undisciplined:
+    assert columns["hang"] == "False", done.stdout + done.stderr[-2000:]
+    if undisciplined:  # eager runs; the FX error they cause may show too (it did on a 16-core GPU machine)
         assert done.returncode == 1 and int(columns["eager"]) > 0, done.stdout
     else:
-        assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+        assert done.returncode == 0 and columns["fx_errors"] == "0", done.stdout + done.stderr[-2000:]
         assert (columns["compiles*"], columns["traces*"], columns["eager"]) == ("0", "0", "0")
 
 
