@@ -70,12 +70,15 @@ def main(port: int, marker: str, forged: bool, listing: bool) -> None:
         forge(store, port)
         print("forged a hello", flush=True)
     beats = ["gpuctl/beat/1"]
+    # Beats on a connection of their own, as a node's: one TCPStore client serves one call at a time, and
+    # init_process_group's wait below would hold back every beat until node 0 gave up waiting for them.
+    beat_store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=60), wait_for_workers=False)
     if listing:
         prefix = run_prefix(store)
         beats += [key for key in store.list_keys() if "beat" in key]
         print(f"listed the keys: joining under {prefix!r}", flush=True)
-        store = dist.PrefixStore(prefix, store)
-    threading.Thread(target=beat, args=(store, beats), daemon=True).start()
+        store, beat_store = dist.PrefixStore(prefix, store), dist.PrefixStore(prefix, beat_store)
+    threading.Thread(target=beat, args=(beat_store, beats), daemon=True).start()
     dist.init_process_group("gloo", store=store, rank=1, world_size=2, timeout=timedelta(seconds=60))
     # Said at once: node 0 accepted this peer. Whatever this node sends next can end node 0 (a collective of
     # another shape), and the test may stop this process before a later line is written.
