@@ -58,6 +58,17 @@ def call_lock(fn: Callable) -> threading.RLock:
         return _CALL_LOCKS.setdefault(code, threading.RLock())
 
 
+def locked_compile(fn: Callable, **options) -> Callable:
+    """`torch.compile(fn, **options)` whose every call, warm-up and steady state alike, holds `call_lock(fn)`."""
+    compiled, lock = torch.compile(fn, **options), call_lock(fn)
+
+    def call(*args, **kwargs):
+        with lock:
+            return compiled(*args, **kwargs)
+
+    return call
+
+
 class CompileDisciplineError(RuntimeError):
     """The shared compiled attention was used against its discipline."""
 
@@ -235,15 +246,14 @@ class LimitedCompile:
             raise CompileDisciplineError(f"torch {torch.__version__}: torch.compile takes no recompile_limit")
         self.limit_via = limit_via
         limit_kwarg = {"recompile_limit": self.recompile_limit} if limit_via == "compile_kwarg" else {}
-        self._compiled = torch.compile(fn, dynamic=False, fullgraph=True, backend=backend, **limit_kwarg)
-        self._call_lock = call_lock(fn)
+        self._compiled = locked_compile(fn, dynamic=False, fullgraph=True, backend=backend, **limit_kwarg)
         self._thread = threading.local()
 
     def __call__(self, q, k, v, block_mask) -> torch.Tensor:
         # Dynamo guards on the global autocast state: a trainer under autocast would miss every entry warmed
         # outside it (a recompile per key, seen on an H200). q/k/v arrive in the attention dtype already, so
         # every call, warm-up and steady state alike, runs with autocast off: one state, one entry per key.
-        with torch.autocast(q.device.type, enabled=False), self._call_lock:
+        with torch.autocast(q.device.type, enabled=False):
             return self._compiled(q, k, v, block_mask=block_mask, enable_gqa=q.size(1) != k.size(1))
 
     def limit_in_force(self) -> int:

@@ -38,8 +38,8 @@ from training.compile.flex import (
     RecompileLimitTooSmall,
     UnwarmedShapeError,
     _is_recompile_limit_hit,
-    call_lock,
     compile_accepts_recompile_limit,
+    locked_compile,
 )
 from training.model.drafter import DrafterStages, fuse_features, layer_after_attention, layer_before_attention
 
@@ -93,8 +93,7 @@ class CompiledStage:
         self.name, self.fn = name, fn
         self.recompile_limit = keys_expected + slack
         limit = {"recompile_limit": self.recompile_limit} if compile_accepts_recompile_limit() else {}
-        self._compiled = torch.compile(fn, dynamic=False, fullgraph=True, backend=backend, **limit)
-        self._call_lock = call_lock(fn)  # dynamo's cache lookup, one thread at a time
+        self._compiled = locked_compile(fn, dynamic=False, fullgraph=True, backend=backend, **limit)
         self.audit = CallAudit(fn)
         self._events = CompileEventCounter()
         self._thread = threading.local()
@@ -138,14 +137,9 @@ class CompiledStage:
         if self._sealed:
             with self._lock:
                 self._calls += 1
-        with self._call_lock:
-            return self._compiled(*args, **kwargs)
+        return self._compiled(*args, **kwargs)
 
     def _warm(self, key: tuple, args: tuple, kwargs: dict):
-        with self._call_lock:
-            return self._warm_locked(key, args, kwargs)
-
-    def _warm_locked(self, key: tuple, args: tuple, kwargs: dict):
         try:
             out = self._compiled(*args, **kwargs)
         except Exception as error:
