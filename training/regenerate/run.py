@@ -76,12 +76,20 @@ class Progress:
 
 
 class StopFlag(StopSignals):
-    """While active, SIGTERM/SIGINT ask the threads to stop after their batch; a second signal acts at once."""
+    """While active, SIGTERM/SIGINT ask the threads to stop after their batch; a second signal acts at once.
+    The handler writes nothing (it may run inside one of the main thread's own prints: a reentrant call);
+    the main thread says it took the signal (`announce`)."""
+
+    _announced = False
 
     def _handle(self, signum, frame) -> None:
         self.signal = signum
         signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
-        say(f"received {signal.Signals(signum).name}: stopping once the batches in flight are written")
+
+    def announce(self) -> None:
+        if self.requested and not self._announced:
+            self._announced = True
+            say(f"received {signal.Signals(self.signal).name}: stopping once the batches in flight are written")
 
     def exit_code(self) -> int:
         return 130 if self.signal == signal.SIGINT else 0
@@ -202,6 +210,7 @@ def regenerate(config: RegenerateConfig, stop: StopFlag | None = None) -> int:
     for thread in threads:
         while thread.is_alive():  # a timed join lets the main thread take signals
             thread.join(timeout=0.2)
+            stop.announce()
     writer.close()
     for generator in generators:
         if generator.static:
