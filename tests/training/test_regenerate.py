@@ -247,10 +247,12 @@ def test_a_second_ctrl_c_ends_at_once_in_one_line_and_the_next_run_finishes(tiny
     count = 32
     prompts = write_prompts(tmp_path / "prompts.jsonl", count)
     output = tmp_path / "regenerated.jsonl"
-    # Batches of 8 records, 256 tokens each (about 3 s on the CPU), so the second Ctrl-C lands while one is in
-    # flight. Under CI's load this test process can still be held off the CPU until that batch is written: then
-    # the run stops as after one Ctrl-C, which says nothing about the second, and the attempt is made again.
-    command = regenerate_command(tiny_world, tmp_path / "prompts.jsonl", output, "batch_size=8", "max_new_tokens=256")
+    # One batch of every record, 256 tokens each (about 5 s on the CPU; a batch ends when its last row does), so
+    # the second Ctrl-C lands while it is in flight. Under CI's load this test process can still be held off the
+    # CPU until the batch is written: then the run stops as after one Ctrl-C, which says nothing about the
+    # second, and the attempt is made again.
+    command = regenerate_command(tiny_world, tmp_path / "prompts.jsonl", output, f"batch_size={count}",
+                                 "max_new_tokens=256")
     for _attempt in range(3):
         output.unlink(missing_ok=True)
         code, out, err = interrupt_twice(command)
