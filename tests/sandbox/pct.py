@@ -187,8 +187,10 @@ def root_mounts(ctid: str) -> list[tuple[str, Path, int]]:
     for path in SYSTEM:
         inside = root / path.lstrip("/")
         if os.path.islink(path):
-            if not os.path.islink(inside):
+            try:
                 os.symlink(os.readlink(path), inside)
+            except FileExistsError:  # made earlier, or by a pct exec running at the same time
+                pass
         elif os.path.isdir(path):
             mounts.append((path, inside, MS_REC | MS_RDONLY))
     mounts += [(path, root / path.lstrip("/"), MS_REC) for path in KERNEL]
