@@ -89,7 +89,11 @@ class Container:
     def start(self, template: str, **values: Any) -> RemoteCommand:
         """Start a script that converses: it reads more of its stdin after the script itself."""
         remote = self.session.start(self.command())
-        remote.send(self.script(template, **values).encode())
+        try:
+            remote.send(self.script(template, **values).encode())
+        except ssh.CommandEnded:
+            self._checked(remote.finish())  # pct's (or the host's) failure in its own words, where it is one
+            raise
         return remote
 
     def finish(self, remote: RemoteCommand, on_stdout: Callable[[bytes], None] | None = None) -> Completed:

@@ -110,6 +110,13 @@ class ConnectionLost(GpuctlError):
         super().__init__(message, ExitCode.HOST)
 
 
+class CommandEnded(GpuctlError):
+    """A remote command ended while it was still being written to; its exit status and stderr say why."""
+
+    def __init__(self, message: str):
+        super().__init__(message, ExitCode.HOST)
+
+
 class TooMuch(GpuctlError):
     """A remote command sent more than gpuctl keeps of its output: it fails, and nothing unbounded is held."""
 
@@ -320,14 +327,18 @@ class RemoteCommand:
         return data
 
     def _write_failed(self, why: str) -> GpuctlError:
-        """A write the command did not take: the connection is lost, or the command ended, which before LOGIN_MARK
-        came means that the login shell refused it (what it said tells)."""
-        if self._before_mark is not None and not self._session.dropped(0.5):
+        """A write the command did not take: the connection is lost, or the command ended. Before LOGIN_MARK came
+        that means the login shell refused it (what it said tells); after it, the command ended without reading
+        all of its stdin (pct failing before the script runs, say): its exit status tells (`finish`)."""
+        if self._session.dropped(0.5):
+            return self._session.lost(why)
+        if self._before_mark is not None:
             try:
                 self._pump(lambda data: None, self._keep_stderr, idle_timeout=None, stop=None)
             except GpuctlError as e:
                 return e
-        return self._session.lost(why)
+        return CommandEnded(f"{self._session.endpoint.describe()}: the remote command ended before it read its "
+                            f"input ({why})")
 
     def _past_mark(self, data: bytes) -> bytes:
         """What of data follows LOGIN_MARK (b"" while it has not come yet)."""
@@ -458,8 +469,11 @@ class Session:
                on_stderr: Callable[[bytes], None] | None = None, idle_timeout: float | None = None) -> Completed:
         """Run a command with this stdin; its output goes to the callbacks as it arrives (else it is collected)."""
         remote = self.start(command)
-        if stdin:
-            remote.send(stdin)
+        try:
+            if stdin:
+                remote.send(stdin)
+        except CommandEnded:
+            pass  # before reading all of its stdin: its exit code and stderr tell why
         remote.close_stdin()
         return remote.finish(on_stdout, on_stderr, idle_timeout)
 

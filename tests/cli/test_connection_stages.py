@@ -14,7 +14,10 @@ from contextlib import contextmanager
 
 import pytest
 
+from gpuctl.address import Address
+from gpuctl.remote import ssh
 from tests.sandbox import StandInHost
+from tests.sandbox.host import ALIAS
 
 pytestmark = pytest.mark.sshd
 
@@ -140,3 +143,14 @@ def test_a_failing_pct_is_the_pct_stage_not_the_script(gpuctl, pct_host):
         line = failed(gpuctl(*command, env=pct_host.env(gpuctl.ctid)))
         assert (f"pct failed: `pct exec {gpuctl.ctid}` ended with exit 255 before running gpuctl's script: "
                 "ipcc_send_rec[1] failed: Connection refused") in line, command
+
+
+def test_a_command_that_ends_before_reading_its_input_is_its_exit_not_a_lost_connection(pct_host):
+    """A command that ends before it has read what gpuctl writes (pct failing at once, on a loaded host before
+    gpuctl's script is even sent: CI) is that command's exit code and stderr, not "connection lost: Socket is
+    closed". 8 MiB is more than the channel's window, so the write is still going on when the command ends."""
+    address = Address(host=ALIAS, ct=0, ssh_config=str(pct_host.ssh_config))
+    with ssh.connect(address) as session:
+        result = session.stream("echo 'pct said no' >&2; exit 255", b"x" * (8 << 20))
+        assert (result.rc, result.stderr, result.started) == (255, b"pct said no\n", False)
+        assert session.run("echo still connected").stdout == b"still connected\n"  # the connection was fine
