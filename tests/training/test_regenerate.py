@@ -232,10 +232,11 @@ def interrupt_twice(command: list[str]) -> tuple[int, str, str]:
         assert process.poll() is None and time.monotonic() < deadline, "".join(seen)
         time.sleep(0.02)
     process.send_signal(signal.SIGINT)
-    while not any("received SIGINT" in line for line in seen):
-        assert process.poll() is None and time.monotonic() < deadline, "".join(seen)
+    # An end before the line was read here is the first Ctrl-C's stop ("stopped:"): the caller tries again.
+    while not any("received SIGINT" in line for line in seen) and process.poll() is None:
+        assert time.monotonic() < deadline, "".join(seen)
         time.sleep(0.01)
-    process.send_signal(signal.SIGINT)
+    process.send_signal(signal.SIGINT)  # (nothing, to a process that has ended)
     err = process.stderr.read()
     code = process.wait(timeout=60)
     reader.join(timeout=10)
