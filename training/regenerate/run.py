@@ -144,12 +144,17 @@ def load_generators(config: RegenerateConfig, target_dir: Path, devices: list[to
     return generators
 
 
-def prompt_records(config: RegenerateConfig) -> tuple[list[PromptRecord], int]:
-    """load_prompts of prompts_path, written first from prompts_from when it does not exist yet."""
+def prompt_records(config: RegenerateConfig, load_once) -> tuple[list[PromptRecord], int]:
+    """load_prompts of prompts_path, written first from the mix prompts_from when it does not exist yet (the
+    "self" source with the first of the generators `load_once()` loads, only then)."""
     if config.prompts_from:
         from training.data.prompts import ensure_prompts
+        from training.regenerate.self_prompts import SelfPrompts
 
-        ensure_prompts(config.prompts_path, config.prompts_from)
+        def write_user_turns(count: int, round_: int) -> list[str]:
+            return SelfPrompts(load_once()[0], config)(count, round_)
+
+        ensure_prompts(config.prompts_path, config.prompts_from, config.seed, write_user_turns)
     return load_prompts(config.prompts_path)
 
 
@@ -169,7 +174,14 @@ def regenerate(config: RegenerateConfig, stop: StopFlag | None = None) -> int:
         torch.set_num_threads(config.num_threads)
     target_dir = target_directory(config)
     stop = stop or StopFlag()  # never entered: no signal handling when called as a library
-    records, duplicates = prompt_records(config)
+    loaded: list[ReplicaGenerator] = []
+
+    def load_once() -> list[ReplicaGenerator]:
+        if not loaded:
+            loaded.extend(load_generators(config, target_dir, devices))
+        return loaded
+
+    records, duplicates = prompt_records(config, load_once)
     output = Path(config.output_path).expanduser()
     done = recover_output(output)
     pending = [r for r in records if id_key(r.id) not in done]
@@ -180,7 +192,7 @@ def regenerate(config: RegenerateConfig, stop: StopFlag | None = None) -> int:
         say(f"done: all {total} records are in {output}")
         return 0
 
-    generators = load_generators(config, target_dir, devices)
+    generators = load_once()
     say(f"target {config.target_path} on {', '.join(map(str, devices))}; {len(pending)} records to generate in "
         f"batches of {config.batch_size}, {'sampled' if config.temperature > 0 else 'greedy'}, "
         f"thinking {'on' if config.enable_thinking else 'off'}")
@@ -220,6 +232,11 @@ def regenerate(config: RegenerateConfig, stop: StopFlag | None = None) -> int:
     if stop.requested:
         say(f"stopped: {progress.done} of {total} records in {output}; run again to continue")
         return stop.exit_code()
+    from training.data.prompts import mix_report_path
+    from training.data.report import render, report
+
+    tokenizer = getattr(generators[0], "tokenizer", None)
+    say(render(report(output, tokenizer, mix_report_path(Path(config.prompts_path).expanduser()))))
     say(f"done: all {total} records are in {output}")
     return 0
 

