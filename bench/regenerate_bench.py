@@ -2,7 +2,8 @@
 
     python bench/regenerate_bench.py [--shape qwen3-8b | --target DIR] [--prompts FILE] [--devices 0]
                                      [--records 64] [--batch-size 32] [--new-tokens 256]
-                                     [--decodes dynamic,static] [--work DIR] [--json FILE]
+                                     [--decodes dynamic,static,continuous] [--context 2048] [--work DIR]
+                                     [--json FILE]
 
 Without --target, saves the qwen3-8b-random world's random-weight target (training/target/random_world.py: Qwen3-8B's
 shape, the tiny word-level tokenizer and its chat template) as a model directory; random weights rarely stop
@@ -78,7 +79,8 @@ def run_decode(args, decode: str, target: Path, prompts: Path, work: Path, devic
     output = work / f"regenerated-{decode}.jsonl"
     sets = [f"target_path={target}", f"prompts_path={prompts}", f"output_path={output}", "build_tiny=false",
             f"target_devices={json.dumps(devices)}", f"batch_size={args.batch_size}",
-            f"max_new_tokens={args.new_tokens}", "dtype=auto", f"decode={decode}"]
+            f"max_new_tokens={args.new_tokens}", "dtype=auto", f"decode={decode}",
+            f"max_context_tokens={args.context}"]
     tee = Tee(sys.stdout)
     began = time.perf_counter()
     with contextlib.redirect_stdout(tee):
@@ -105,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--records", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--decodes", default="dynamic,static")
+    parser.add_argument("--decodes", default="dynamic,static", help="any of dynamic, static, continuous")
+    parser.add_argument("--context", type=int, default=2048,
+                        help="max_context_tokens for every decode (continuous: each row's cache slots)")
     parser.add_argument("--work", type=Path)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)

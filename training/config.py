@@ -278,7 +278,7 @@ def _check_layer_types(config: TrainConfig) -> None:
                           "sliding_attention layer")
 
 
-DECODES = ("dynamic", "static", "auto")
+DECODES = ("dynamic", "static", "continuous", "auto")
 BACKENDS = ("transformers", "vllm")
 PROMPT_SOURCES = ("sharegpt", "codeio", "math", "self")  # training/data/prompts.py; "self": the target writes them
 COUNTED_SOURCES = ("math", "self")  # generators: they need a count
@@ -342,12 +342,18 @@ class RegenerateConfig:
     dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on the CPU
     num_threads: int = 0  # torch CPU threads; 0 = torch's default
     max_new_tokens: int = 2048  # per reply
+    # a conversation whose next reply would not fit in this many tokens with its context ends at its last reply
+    # ("shortened"); 0 = the target's window. Continuous decoding gives every row this many cache slots (and so
+    # needs it set).
+    max_context_tokens: int = 0
     batch_size: int = 16  # records per generate call (per turn)
     # "static": every batch has one shape (batch_size rows, prompts left-padded to a power of two) and a
     # fixed-size cache, and on CUDA each decode step replays one CUDA graph (training/regenerate/static_decode.py): the
     # eager decode loop of a small target is bound by kernel launches, not by the GPU. Records are batched by
     # length. "dynamic": transformers' generate, eager. "auto": static on CUDA, dynamic on the CPU (where no graph
-    # replays and filler rows only cost).
+    # replays and filler rows only cost). "continuous": `batch_size` rows decode at once and a row whose reply
+    # ended takes the next prompt, or its conversation's next turn, at once (training/regenerate/continuous.py;
+    # greedy; each step one CUDA graph on CUDA, like static).
     decode: str = "dynamic"
     # "transformers" (decode above) or "vllm": vLLM's offline engine where the package is installed, on the one GPU
     # the process sees (CUDA_VISIBLE_DEVICES; one process per GPU), same prompts, stop ids and output
@@ -361,13 +367,19 @@ class RegenerateConfig:
         for name in ("max_new_tokens", "batch_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("num_threads", "seed"):
+        for name in ("num_threads", "seed", "max_context_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.decode not in DECODES:
             raise ConfigError(f"decode must be one of {', '.join(DECODES)}, got {self.decode!r}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.decode == "continuous" and not self.max_context_tokens:
+            raise ConfigError("decode = \"continuous\" gives every row max_context_tokens cache slots: set it (e.g. "
+                              "max_context_tokens = 2048)")
+        if self.decode == "continuous" and self.temperature > 0:
+            raise ConfigError("decode = \"continuous\" decodes greedily: set temperature = 0, or decode = \"static\" "
+                              "to sample")
         if self.backend == "vllm" and len(parse_devices(self.target_devices, "target_devices")) != 1:
             raise ConfigError("backend = \"vllm\" runs one engine on one GPU: give target_devices one entry and run "
                               "a process per GPU")

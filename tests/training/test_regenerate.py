@@ -146,6 +146,47 @@ def test_a_wide_static_batch_decodes_in_fewer_rows_and_writes_the_same(tiny_worl
     assert "cpu: static decode: 0 CUDA graphs captured" in said and "eager steps" in said
 
 
+def test_continuous_batching_writes_what_the_static_decode_writes(tiny_world, tmp_path, capsys):
+    """decode=continuous (rows refilled as replies end, a conversation's next turn queued at once,
+    training/regenerate/continuous.py) gives the static decode's records, multi-turn and shortened ones too."""
+    write_prompts(tmp_path / "prompts.jsonl", 11)
+    outputs = {}
+    for decode in ("static", "continuous"):
+        output = tmp_path / decode / "regenerated.jsonl"
+        config = config_for(tiny_world, tmp_path / "prompts.jsonl", output, "batch_size=3", "max_new_tokens=40",
+                            "max_context_tokens=150", f"decode={decode}")
+        assert regenerate(config) == 0
+        outputs[decode] = sorted(read_output(output), key=lambda r: r["id"])
+    assert outputs["continuous"] == outputs["static"] and len(outputs["static"]) == 11
+    assert any(r.get("shortened") for r in outputs["static"])
+    assert any(sum(m["role"] == "assistant" for m in r["messages"]) > 1 for r in outputs["static"])
+
+
+def test_continuous_rows_refilled_mid_batch_decode_what_a_static_batch_decodes(tiny_world):
+    """With a common word as the end token, replies end at different steps, so rows are refilled while others
+    decode, over what earlier prompts left in the cache: every reply is still the static decode's."""
+    from training.regenerate.continuous import ContinuousDecoder
+    from training.regenerate.generation import left_padded, reply_of
+    from training.regenerate.static_decode import DecodeCounters, StaticDecoder
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_world.target, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_world.target)
+    rng = random.Random(5)
+    prompts = [encode_chat(tokenizer, [{"role": "user", "content": words(rng, rng.randint(2, 9))}], True,
+                           {"enable_thinking": False}) for _ in range(9)]
+    probe = StaticDecoder(model, 1, 64, 30, [-1], DecodeCounters())
+    common = max(set(tokens := probe.generate(*left_padded(prompts[:1], 1, 64, 0))[0]), key=tokens.count)
+    eos = [common, tokenizer.eos_token_id]
+    static = StaticDecoder(model, len(prompts), 64, 30, eos, DecodeCounters())
+    expected = [reply_of(row, eos)[0] for row in static.generate(*left_padded(prompts, len(prompts), 64, 0))]
+    assert len({len(r) for r in expected}) > 2  # replies of several lengths
+
+    got = {}
+    decoder = ContinuousDecoder(model, 3, 128, 30, eos, 0, DecodeCounters())
+    decoder.decode(list(enumerate(prompts)), lambda key, tokens: got.__setitem__(key, tokens))
+    assert [reply_of(got[i], eos)[0] for i in range(len(prompts))] == expected
+
+
 @pytest.mark.parametrize("decode", ["dynamic", "static"])
 def test_sampling_is_seeded(tiny_world, tmp_path, decode):
     write_prompts(tmp_path / "prompts.jsonl", 6)
@@ -296,7 +337,12 @@ def test_bad_prompts_are_one_line_errors(tiny_world, tmp_path, capsys, lines, me
     (["top_p=0"], "top_p must be in (0, 1]"),
     (["temperature=-1"], "temperature must be >= 0"),
     (["batch_size=0"], "batch_size must be > 0"),
-    (["decode=graphs"], "decode must be one of dynamic, static, auto"),
+    (["decode=graphs"], "decode must be one of dynamic, static, continuous, auto"),
+    (["decode=continuous"], "gives every row max_context_tokens cache slots: set it"),
+    (["decode=continuous", "max_context_tokens=512", "temperature=0.7"], "decodes greedily"),
+    (["max_context_tokens=-1"], "max_context_tokens must be >= 0"),
+    (["prompts_from=['math']"], "say how many (math:COUNT"),
+    (["self_temperature=0"], "self_temperature must be > 0"),
     (["backend=sglang"], "backend must be one of transformers, vllm"),
     (["backend=vllm", "target_devices=[0, 1]"], 'backend = "vllm" runs one engine on one GPU'),
     (["target_devices=[-1]"], "neither a GPU index"),

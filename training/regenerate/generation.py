@@ -14,6 +14,7 @@ import torch
 
 from training.config import ConfigError
 from training.data.chat import encode_chat
+from training.regenerate.continuous import ContinuousDecoder
 from training.regenerate.records import PromptRecord, id_key, reply_positions
 from training.regenerate.static_decode import (
     ATTENTION,
@@ -62,11 +63,15 @@ class ReplicaGenerator:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.device = model.get_input_embeddings().weight.device
         self.eos_ids, self.pad_id = stop_ids(model.generation_config, tokenizer, config.target_path)
-        self.static = config.decode == "static" or (config.decode == "auto" and self.device.type == "cuda")
+        self.continuous = config.decode == "continuous"
+        self.static = self.continuous or config.decode == "static" or (config.decode == "auto" and
+                                                                        self.device.type == "cuda")
         self.decoders: dict[tuple, StaticDecoder] = {}  # by (rows, width): the two last used (each holds a cache)
         self.counters = DecodeCounters()
+        self.decoder_continuous: ContinuousDecoder | None = None
         # a reply must fit in the target's window with its context: a longer conversation ends before that turn
-        self.context_limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+        window = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+        self.context_limit = min(window, config.max_context_tokens or window)
         if self.static:
             check_static_decodable(model.config)
             model.set_attn_implementation(ATTENTION)
@@ -134,6 +139,8 @@ class ReplicaGenerator:
 
     def regenerate(self, records: list[PromptRecord]) -> tuple[list[dict], int]:
         """The records with every reply the target's own, and the number of tokens generated."""
+        if self.continuous:
+            return self.regenerate_continuously(records)
         self.seed(records)
         conversations = [copy.deepcopy(r.messages) for r in records]
         positions = [reply_positions(r.messages) for r in records]
@@ -157,6 +164,50 @@ class ReplicaGenerator:
         for record, messages, cut, short in zip(records, conversations, truncated, shortened):
             outputs.append({"id": record.id, "messages": messages, **({"truncated": True} if cut else {}),
                             **({"shortened": True} if short else {})})
+        return outputs, tokens
+
+
+    def regenerate_continuously(self, records: list[PromptRecord]) -> tuple[list[dict], int]:
+        """regenerate's records through the continuous decoder: each conversation's next turn is queued the moment
+        its reply is known (the turn order and the records are regenerate's)."""
+        conversations = [copy.deepcopy(r.messages) for r in records]
+        positions = [reply_positions(r.messages) for r in records]
+        flags: list[dict] = [{} for _ in records]
+        turns, tokens = [0] * len(records), 0
+        limit = self.context_limit
+
+        def job(i: int):
+            """Record i's next turn as a job; None when it has none left (or no room for it, shortened)."""
+            if turns[i] == len(positions[i]):
+                return None
+            at = positions[i][turns[i]]
+            prompt = encode_chat(self.tokenizer, conversations[i][:at], True, self.config.template_options())
+            if len(prompt) + self.config.max_new_tokens > limit:
+                replied = [n for n, m in enumerate(conversations[i][:at]) if m["role"] == "assistant"]
+                conversations[i] = conversations[i][: replied[-1] + 1 if replied else at]
+                flags[i]["shortened"] = True
+                return None
+            return i, prompt
+
+        def finished(i: int, generated: list[int]):
+            nonlocal tokens
+            reply, count, cut = reply_of(generated, self.eos_ids)
+            at = positions[i][turns[i]]
+            conversations[i][at:at + 1] = [{"role": "assistant", "content": self.tokenizer.decode(reply)}]
+            if cut:
+                flags[i]["truncated"] = True
+            tokens += count
+            turns[i] += 1
+            return job(i)
+
+        if self.decoder_continuous is None:
+            self.decoder_continuous = ContinuousDecoder(self.model, self.config.batch_size, limit,
+                                                        self.config.max_new_tokens, self.eos_ids, self.pad_id,
+                                                        self.counters)
+        self.decoder_continuous.decode([j for j in map(job, range(len(records))) if j is not None], finished)
+        outputs = [{"id": r.id, "messages": m, **({"truncated": True} if f.get("truncated") else {}),
+                    **({"shortened": True} if f.get("shortened") else {})}
+                   for r, m, f in zip(records, conversations, flags)]
         return outputs, tokens
 
 

@@ -197,7 +197,10 @@ def regenerate(config: RegenerateConfig, stop: StopFlag | None = None) -> int:
         f"batches of {config.batch_size}, {'sampled' if config.temperature > 0 else 'greedy'}, "
         f"thinking {'on' if config.enable_thinking else 'off'}")
 
-    batches = queued_batches(pending, config.batch_size, by_length=any(g.static for g in generators))
+    # continuous decoding refills its batch_size rows from a batch four times as large: fewer idle tails
+    continuous = any(getattr(g, "continuous", False) for g in generators)
+    batches = queued_batches(pending, config.batch_size * (4 if continuous else 1),
+                             by_length=any(g.static for g in generators))
     writer = RecordWriter(output, done)
     progress = Progress(MetricsLog(metrics_file(output), total), total, already)
     failures: list[ThreadFailure] = []
