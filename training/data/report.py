@@ -21,6 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from training.config import PROMPT_SOURCES
 from training.data.chat import DataError
 from training.entry import OneLineArgumentParser
 
@@ -28,7 +29,9 @@ _SOURCE = re.compile(rb'^\{"id": "([A-Za-z0-9_-]+):')
 
 
 def source_of(record_id) -> str:
-    return record_id.split(":", 1)[0] if isinstance(record_id, str) and ":" in record_id else "other"
+    """The prompt source a record id names ("math:gsm_symbolic:0:7" -> "math"); "other" for any other id."""
+    prefix = record_id.split(":", 1)[0] if isinstance(record_id, str) else ""
+    return prefix if prefix in PROMPT_SOURCES else "other"
 
 
 @dataclass
@@ -123,7 +126,7 @@ def mix_line(path: Path) -> str:
         for line in lines:
             if line.strip():
                 found = _SOURCE.match(line)
-                counts[found.group(1).decode() if found else "other"] += 1
+                counts[source_of(found.group(1).decode() + ":") if found else "other"] += 1
     total = sum(counts.values()) or 1
     return ", ".join(f"{name} {count:,} ({count / total:.0%})" for name, count in counts.most_common())
 

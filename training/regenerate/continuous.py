@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import collections
 import inspect
-import time
 from collections.abc import Callable
 
 import torch
 
 from training.regenerate.static_decode import (
-    CAPTURE_LOCK,
     CHECK_EVERY,
     DecodeCounters,
+    capture_step,
     check_static_decodable,
 )
 
@@ -139,32 +138,18 @@ class ContinuousDecoder:
         return self.cache.every_row
 
     def _capture(self) -> None:
-        """The step as a CUDA graph (its warm-up runs move the state: it is restored after)."""
+        """The step as a CUDA graph; decoding goes on without one when capturing fails, and says why once."""
         state = [self.token, self.slot, self.start, self.count, self.done, self.generated]
-        with CAPTURE_LOCK:
-            began, saved = time.perf_counter(), [t.clone() for t in state]
-            try:
-                stream = torch.cuda.Stream(self.device)
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    for _ in range(2):
-                        self._step()
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                    self._step()
-                self.graph = graph
-                self.counters.graphs += 1
-            except RuntimeError as err:  # decoding goes on without the graph, and says why once
-                from training.console import say
+        self.graph, _, failure, seconds = capture_step(self.device, self._step, state)
+        self.counters.capture_s += seconds
+        if failure is None:
+            self.counters.graphs += 1
+            return
+        from training.console import say
 
-                self.graph_failed = True
-                self.counters.capture_failures += 1
-                say(f"continuous decode: capturing the step as a CUDA graph failed ({str(err).splitlines()[0]}); "
-                    "decoding without graphs")
-            for tensor, value in zip(state, saved):
-                tensor.copy_(value)
-            self.counters.capture_s += time.perf_counter() - began
+        self.graph_failed = True
+        self.counters.capture_failures += 1
+        say(f"continuous decode: capturing the step as a CUDA graph failed ({failure}); decoding without graphs")
 
     def _one_step(self) -> None:
         if self.graph is not None:

@@ -225,7 +225,7 @@ class EngineGenerator(ReplicaGenerator):
 
         self.tokenizer, self.config, self.device = tokenizer, config, torch.device("cuda")
         self.eos_ids, self.pad_id = stop_ids(GenerationConfig.from_pretrained(target_dir), tokenizer, target_dir)
-        self.static, self.batch_seed, self.sampling_params = False, 0, SamplingParams
+        self.static, self.continuous, self.batch_seed, self.sampling_params = False, False, 0, SamplingParams
         dtype = "auto" if config.dtype == "auto" else config.dtype
         # generation_config="vllm": the model's own sampling defaults (top-k, repetition penalty) must not apply
         self.engine = LLM(model=target_dir, dtype=dtype, seed=config.seed, generation_config="vllm")

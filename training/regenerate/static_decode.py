@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +74,31 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tens
         outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p
         probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0))
     return torch.multinomial(probs, 1)[:, 0]
+
+
+def capture_step(device: torch.device, step: Callable[[], object], state: list[torch.Tensor]):
+    """`step` as a CUDA graph: two warm-up runs on a side stream, then the capture, under CAPTURE_LOCK (one capture
+    at a time in the process). The warm-ups move `state`, which is restored after. Returns (the graph, or None
+    when capturing failed; what the captured step returned, its output buffers; the failure's first line, or
+    None; seconds spent)."""
+    began, saved = time.perf_counter(), [t.clone() for t in state]
+    graph, out, failure = None, None, None
+    with CAPTURE_LOCK:
+        try:
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    step()
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                out = step()
+        except RuntimeError as err:
+            graph, failure = None, str(err).splitlines()[0]
+        for tensor, value in zip(state, saved):
+            tensor.copy_(value)
+    return graph, out, failure, time.perf_counter() - began
 
 
 class StaticKVCache:
@@ -178,31 +204,18 @@ class StaticDecoder:
         return [self.slot, self.index, self.token, self.position, self.generated, self.finished]
 
     def _capture(self, greedy: bool) -> None:
-        """The step as a CUDA graph (its warm-up runs move the state: it is restored after)."""
-        with CAPTURE_LOCK:
-            began, saved = time.perf_counter(), [t.clone() for t in self._state()]
-            try:
-                stream = torch.cuda.Stream(self.device)
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    for _ in range(2):
-                        self._step(greedy)
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                    self.logits = self._step(greedy)
-                self.graph = graph
-                self.counters.graphs += 1
-            except RuntimeError as err:  # decoding goes on without the graph, and says why once
-                from training.console import say
+        """The step as a CUDA graph; decoding goes on without one when capturing fails, and says why once."""
+        self.graph, self.logits, failure, seconds = capture_step(self.device, lambda: self._step(greedy),
+                                                                 self._state())
+        self.counters.capture_s += seconds
+        if failure is None:
+            self.counters.graphs += 1
+            return
+        from training.console import say
 
-                self.graph_failed = True
-                self.counters.capture_failures += 1
-                say(f"static decode: capturing the step as a CUDA graph failed ({str(err).splitlines()[0]}); "
-                    "decoding without graphs")
-            for tensor, value in zip(self._state(), saved):
-                tensor.copy_(value)
-            self.counters.capture_s += time.perf_counter() - began
+        self.graph_failed = True
+        self.counters.capture_failures += 1
+        say(f"static decode: capturing the step as a CUDA graph failed ({failure}); decoding without graphs")
 
     def _one_step(self, greedy: bool, choose) -> None:
         if self.graph is not None:

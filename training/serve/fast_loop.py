@@ -34,12 +34,7 @@ import torch.nn.functional as F
 
 from training.config import ConfigError
 from training.model.drafter import Drafter, DrafterConfig, rotary_tables
-from training.regenerate.static_decode import (
-    ATTENTION,
-    CAPTURE_LOCK,
-    StaticKVCache,
-    check_static_decodable,
-)
+from training.regenerate.static_decode import ATTENTION, StaticKVCache, capture_step, check_static_decodable
 
 
 @dataclass
@@ -193,30 +188,17 @@ class FastLoop:
             self.features.copy_(features)
 
     def _capture(self) -> None:
-        """The steady step (the last verify's rows as context) as one CUDA graph; its warm-up runs move the state,
-        which is restored after."""
+        """The steady step (the last verify's rows as context) as one CUDA graph; eager steps when that fails."""
         state = [self.anchor, self.start, self.feature_start, self.readout, self.verify]
         state += [self.features] if self.drafter is not None else []
-        began, saved = time.perf_counter(), [t.clone() for t in state]
-        with CAPTURE_LOCK:
-            try:
-                stream = torch.cuda.Stream(self.device)
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    for _ in range(2):
-                        self._step(self.features if self.drafter is not None else None)
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                    self._step(self.features if self.drafter is not None else None)
-                self.graph = graph
-                self.counters.graphs += 1
-            except RuntimeError as err:  # the loop goes on eagerly, and says why
-                self.graphs = False
-                self.counters.notes.append(f"capturing the step failed ({str(err).splitlines()[0]}); eager steps")
-        for tensor, value in zip(state, saved):
-            tensor.copy_(value)
-        self.counters.capture_s += time.perf_counter() - began
+        self.graph, _, failure, seconds = capture_step(
+            self.device, lambda: self._step(self.features if self.drafter is not None else None), state)
+        self.counters.capture_s += seconds
+        if failure is None:
+            self.counters.graphs += 1
+        else:
+            self.graphs = False
+            self.counters.notes.append(f"capturing the step failed ({failure}); eager steps")
 
     def _steady_step(self) -> None:
         if self.graphs and self.graph is None:
