@@ -242,7 +242,11 @@ def test_skip_bad_data_skips_and_counts_bad_lines_and_too_short_conversations(ti
     tokenizer = AutoTokenizer.from_pretrained(tiny_world.target)
     clean = load_conversations(str(tiny_world.train))
     kept = len(prepare_sequences(tokenizer, clean, max_length=96, block_size=8))  # the tiny preset's shapes
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("data:")]
+    said = capsys.readouterr().out.splitlines()
+    lines = [line for line in said if line.startswith("data:")]
+    # the mix it trains on, by the records' ids: the tiny world's have no source prefix (a bad line has no id)
+    records = sum(bool(line.strip()) for line in data.read_text().splitlines())
+    assert [line for line in said if line.startswith("data mix:")] == [f"data mix: other {records:,} (100%)"]
     why = "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"
     dropped = len(clean) - kept + 2
     assert lines == [f"data: {kept:,} conversations, 3 bad lines skipped (first: {data}:3: {SHAPE} ({why})), "

@@ -32,7 +32,7 @@ def load_data(config: TrainConfig, tokenizer) -> tuple[BatchStream, list[list[di
     else:
         data_file = Path(config.data_path).expanduser()
         if data_file.is_file():  # a missing one is load_training_data's error
-            say(f"data: {mix_line(data_file)}")  # the sources it mixes, by record id
+            say(f"data mix: {mix_line(data_file)}")  # the sources it mixes, by record id
         data = load_training_data(tokenizer, config, log=say)  # tokenised once, then read from its cache
         sequences, held_out = data.sequences, data.held_out
         # What decides the ids (not the path, nor the libraries' versions when the tokenizer is the same).
