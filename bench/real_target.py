@@ -22,7 +22,8 @@ of an earlier call on the same machine (its checkpoint, to the new `--steps`): o
 `--measure` makes the call an arm: after training, the export is measured on the same GPU by the reference loop
 (`python -m training.acceptance`, float32, greedy: HumanEval's first `--eval-limit` problems and the chat set's,
 the two sets side by side), with the trainer's tau beside the served one, and `--speedup` adds the wall-clock
-speed-up over the target's own greedy decode (bf16, batch 1, HumanEval's first `--speedup-limit`, 16); the arm's row (O/NAME.json) holds
+speed-up of the fast loop over the faster target-alone decode (transformers' static-cache `generate`, the fast loop
+with a block of 1; bf16, batch 1, HumanEval's first `--speedup-limit`, 16); the arm's row (O/NAME.json) holds
 them all. `report` prints the table of every run under the O directories and draws tau against steps. What each call's command line is, with the
 files it carries: docs/BENCHMARKS.md, "A drafter that accelerates SmolLM2".
 """
@@ -246,10 +247,11 @@ def measure_arm(args: argparse.Namespace, work: Path, export: Path, out: Path) -
             subprocess.run(python("-m", "training.acceptance", *common, "--prompts", "humaneval", "--limit", str(args.speedup_limit),
                                   "--dtype", "bfloat16", "--speedup", "--json", str(result)),
                            cwd=ROOT, check=False, stdout=log, stderr=subprocess.STDOUT)
-        if result.exists():
+        if result.exists():  # the fast loop against the faster target-alone decode (training/serve/fast_loop.py)
             figures = json.loads(result.read_text())
             found["speedup_bf16"] = round(figures["speedup"], 2)
-            found["target_alone_tokens_per_s"] = round(figures["tokens"] / figures["target_s"], 1)
+            found["target_alone_tokens_per_s"] = round(max(figures["hf_static_tok_s"], figures["target_tok_s"]), 1)
+            found["drafter_tokens_per_s"] = round(figures["drafter_tok_s"], 1)
     return found
 
 

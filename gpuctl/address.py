@@ -113,7 +113,7 @@ def parse_port(value: Any, source: str) -> int:
 
 def parse_address_arg(text: str) -> dict[str, Any]:
     """`[USER@]HOST[:PORT][/CTID]`, e.g. `root@pve1:2222/200` or `pve1/200`."""
-    m = ADDRESS_RE.match(text)
+    m = ADDRESS_RE.fullmatch(text)
     if not m:
         raise usage_error(f"TARGET must look like [USER@]HOST[:PORT][/CTID], got {text!r}")
     found: dict[str, Any] = {"host": m["host"].strip("[]")}

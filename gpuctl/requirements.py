@@ -76,7 +76,7 @@ def _holds(version: str, op: str, wanted: str) -> bool:
 
 def parse_requirement(line: str) -> Requirement:
     text = line.strip()
-    m = LINE.match(text)
+    m = LINE.fullmatch(text)
     specifiers = tuple(SPECIFIER.findall(m[2])) if m else ()
     if not m or not all(release(v.removesuffix(".*")) for _, v in specifiers):
         raise ValueError(f"not a NAME[SPECIFIERS] requirement: {line!r}")

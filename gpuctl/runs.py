@@ -54,22 +54,22 @@ def parse_run_ref(text: str | None, option: str = "--run") -> RunRef:
     meaning the latest run."""
     if text is None:
         return 0
-    m = RUN_REF.match(text.strip())
+    m = RUN_REF.fullmatch(text.strip())
     if m and int(m[1]) > 0:
         return int(m[1])
-    if not m and RUN_NAME.match(text.strip()):
+    if not m and RUN_NAME.fullmatch(text.strip()):
         return text.strip()
     raise usage_error(f"{option} takes a run number like 7 or tl7, or a run's name (launch --name), got {text!r}")
 
 
 def is_run_ref(text: str) -> bool:
     """Whether text names a run (a number or a name), so `launch --resume TEXT` continues it."""
-    return bool(RUN_REF.match(text) or RUN_NAME.match(text))
+    return bool(RUN_REF.fullmatch(text) or RUN_NAME.fullmatch(text))
 
 
 def check_run_name(name: str) -> str:
     """launch --name: a slug (a lowercase letter, then up to 31 of a-z, 0-9, '_', '-') that no run id shadows."""
-    if not RUN_NAME.match(name) or RUN_REF.match(name):
+    if not RUN_NAME.fullmatch(name) or RUN_REF.fullmatch(name):
         raise usage_error(f"--name takes a short slug (a lowercase letter, then up to 31 of a-z 0-9 _ -, not tlN), "
                           f"got {name!r}")
     return name

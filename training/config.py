@@ -409,7 +409,7 @@ class RegenerateConfig:
 def check_topology(topology: str) -> None:
     if topology in ("auto", "colocated"):
         return
-    match = TOPOLOGY.match(topology)
+    match = TOPOLOGY.fullmatch(topology)
     if not match or min(int(match[1]), int(match[2])) < 1:
         raise ConfigError(f'topology must be "auto", "colocated" or "T:D" (targets:drafters, each >= 1), '
                           f"got {topology!r}")

@@ -349,7 +349,7 @@ def check_setup_options(opts: SetupOptions) -> SetupOptions:
             raise usage_error("--python must not be empty")
         check_python(opts.python)
     venv = opts.venv.rstrip("/") or opts.venv
-    if not VENV_PATH.match(venv) or ".." in venv.split("/") or venv == "/":
+    if not VENV_PATH.fullmatch(venv) or ".." in venv.split("/") or venv == "/":
         raise usage_error(f"--venv must be an absolute path in the container of letters, digits and ._+@/-, "
                           f"got {opts.venv!r}")
     if opts.torch is not None and (not opts.torch.strip() or any(ord(c) < 32 for c in opts.torch)):

@@ -145,7 +145,7 @@ def check_env(items: list[str]) -> list[tuple[str, str]]:
     pairs = []
     for item in items:
         key, eq, value = item.partition("=")
-        if not eq or not ENV_KEY.match(key):
+        if not eq or not ENV_KEY.fullmatch(key):
             raise usage_error(f"--env takes KEY=VALUE with KEY a shell identifier (letters, digits, _), got {item!r}")
         if key in RENDEZVOUS_KEYS or key.startswith("GPUCTL_"):
             raise usage_error(f"--env cannot set {key}: gpuctl sets it (the rendezvous: --master-addr, "

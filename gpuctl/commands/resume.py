@@ -92,7 +92,7 @@ def run_home(record: dict[str, Any]) -> str:
     """The run a resume continues in: the resumed run's own home (a resume of a resume keeps the first run's),
     else its id (a run launched before runs had homes)."""
     home = record.get("home")
-    if isinstance(home, str) and RUN_HOME.match(home):
+    if isinstance(home, str) and RUN_HOME.fullmatch(home):
         return home
     return f"tl{int(record.get('number') or 0)}"
 

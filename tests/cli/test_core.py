@@ -9,6 +9,7 @@ import pytest
 
 from gpuctl import __version__ as gpuctl_version
 from gpuctl import address, commands, paths, timeouts
+from gpuctl.commands.options import check_env
 from gpuctl.errors import ExitCode, GpuctlError
 from gpuctl.remote import scripts, ssh
 from gpuctl.remote.protocol import (
@@ -22,7 +23,7 @@ from gpuctl.remote.protocol import (
     parse_sections,
     section,
 )
-from gpuctl.runs import Run, State, parse_progress, parse_run_ref, parse_signal
+from gpuctl.runs import Run, State, check_run_name, parse_progress, parse_run_ref, parse_signal
 
 
 @pytest.fixture
@@ -292,6 +293,27 @@ def test_run_refs_and_signals():
     for bad in ("tl0", "X", "-1", "a.b", "a*"):
         with pytest.raises(GpuctlError):
             parse_run_ref(bad)
+
+
+@pytest.mark.parametrize("bad", ["exp\n", "tl7", "7", "../x", "a/b", "Exp", "a" * 33])
+def test_a_run_name_is_the_whole_text_a_final_newline_included(bad):
+    """Patterns check input whole: `$` alone lets a final newline through (two runs named 'exp')."""
+    assert check_run_name("exp") == "exp"
+    with pytest.raises(GpuctlError, match="--name takes a short slug"):
+        check_run_name(bad)
+
+
+@pytest.mark.parametrize("bad", ["FOO\n=bar", "FOO", "1X=y", "A B=c", "=x"])
+def test_an_env_key_is_the_whole_text_a_final_newline_included(bad):
+    assert check_env(["FOO=bar", "X_1="]) == [("FOO", "bar"), ("X_1", "")]
+    with pytest.raises(GpuctlError, match="--env takes KEY=VALUE"):
+        check_env([bad])
+
+
+def test_an_address_is_the_whole_text_too():
+    assert address.parse_address_arg("root@host/200")["ct"] == 200
+    with pytest.raises(GpuctlError):
+        address.parse_address_arg("root@host/200\n")
 
 
 def test_proxyjump_chains_resolve_through_ssh_config(tmp_path):

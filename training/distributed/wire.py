@@ -78,7 +78,7 @@ def plain_name(name: Any, allowed: Collection[str] | re.Pattern) -> str:
     _need(isinstance(name, str), "a name is not a string")
     _need(name not in ("", ".", "..") and "/" not in name and "\\" not in name and
           not any(ord(c) < 32 or ord(c) == 127 for c in name), f"{name[:80]!r} is not a plain file name")
-    expected = allowed.match(name) if isinstance(allowed, re.Pattern) else name in allowed
+    expected = allowed.fullmatch(name) if isinstance(allowed, re.Pattern) else name in allowed
     _need(bool(expected), f"{name[:80]!r} is not a name expected here")
     return name
 

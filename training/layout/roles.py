@@ -112,7 +112,7 @@ def layout_from_topology(topology: str, devices: Sequence[str]) -> Layout:
         return Layout(colocated=devices)
     if topology == "auto":
         raise ValueError("auto has no fixed layout: choose_layout picks one")
-    match = TOPOLOGY.match(topology)
+    match = TOPOLOGY.fullmatch(topology)
     targets, drafters = int(match[1]), int(match[2])
     if len(devices) == 1:  # every thread on the one device
         return Layout(targets=devices * targets, drafters=devices * drafters)

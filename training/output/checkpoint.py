@@ -58,7 +58,7 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     root = checkpoints_dir(output_dir)
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / "state.pt").is_file())
+    return sorted(p for p in root.iterdir() if STEP_DIR.fullmatch(p.name) and (p / "state.pt").is_file())
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
@@ -75,7 +75,7 @@ def recover_checkpoints(output_dir: str | Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     for path in abandoned(root, ".stale-"):
         final = root / path.name.rsplit("-", 1)[-1]  # .stale-HOST-PID-step_NNNNNNNN
-        if STEP_DIR.match(final.name) and not final.exists():
+        if STEP_DIR.fullmatch(final.name) and not final.exists():
             os.replace(path, final)
         else:
             shutil.rmtree(path, ignore_errors=True)

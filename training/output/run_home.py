@@ -38,7 +38,7 @@ def hand_homes(runs_dir: str | Path) -> list[int]:
     base = Path(runs_dir).expanduser()
     if not base.is_dir():
         return []
-    return sorted(int(m[1]) for m in map(BY_HAND.match, os.listdir(base)) if m)
+    return sorted(int(m[1]) for m in map(BY_HAND.fullmatch, os.listdir(base)) if m)
 
 
 def resolve_run_dir(config: TrainConfig, resume: bool, environ: dict[str, str] | None = None) -> RunDir:
@@ -50,7 +50,7 @@ def resolve_run_dir(config: TrainConfig, resume: bool, environ: dict[str, str] |
                       f"output_dir {out} (set explicitly: no per-run directory; overwrite_output={config.overwrite_output})")
     home = environ.get(RUN_HOME_ENV, "")
     if home:
-        if not HOME_NAME.match(home) or home in (".", ".."):
+        if not HOME_NAME.fullmatch(home) or home in (".", ".."):
             raise ConfigError(f"{RUN_HOME_ENV}={home!r} is not a directory name (letters, digits, '.', '_', '-')")
         why = f"${RUN_HOME_ENV}"
     else:

@@ -178,7 +178,7 @@ def rope_scaling(params: dict) -> dict:
 def provenance(checkpoint: Path) -> dict:
     """The export's "gpuctl" entry: the run that wrote the checkpoint (gpuctl's run id, None by hand; its
     home), the checkpoint's name and its step."""
-    run, step = checkpoint_run(checkpoint), STEP_DIR.match(checkpoint.name)
+    run, step = checkpoint_run(checkpoint), STEP_DIR.fullmatch(checkpoint.name)
     return {"run": run["id"], "home": run["home"], "checkpoint": checkpoint.name,
             "step": int(step[1]) if step else None}
 
@@ -188,13 +188,13 @@ def resolve_checkpoint(source: str | Path) -> Path:
     source = Path(source).expanduser()
     if not source.is_dir():
         raise ConfigError(f"{source} is not a directory")
-    if STEP_DIR.match(source.name) or (source / "drafter.safetensors").exists():
+    if STEP_DIR.fullmatch(source.name) or (source / "drafter.safetensors").exists():
         return source
     root = checkpoints_dir(source)
     if not root.is_dir():
         raise ConfigError(f"{source} is neither a checkpoint nor a run's output_dir (no checkpoints/ in it)")
     complete = [p for p in sorted(root.iterdir(), reverse=True)
-                if STEP_DIR.match(p.name) and all((p / name).is_file() for name in
+                if STEP_DIR.fullmatch(p.name) and all((p / name).is_file() for name in
                                                   ("drafter.safetensors", "config.json", "state.pt"))]
     if not complete:
         raise ConfigError(f"no complete checkpoint in {root}")
