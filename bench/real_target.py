@@ -184,8 +184,12 @@ def train(args: argparse.Namespace) -> int:
     lines = jsonl_lines(Path(args.data))
     data.write_text("\n".join(lines[: args.conversations or None]) + "\n")
     runs = work / f"runs-{args.name}"
+    run = runs / args.name
+    export = run / "export"
     if not args.resume:
         shutil.rmtree(runs, ignore_errors=True)
+    # an earlier call's export is not this call's: a call stopped at --seconds writes none, and is exported below
+    shutil.rmtree(export, ignore_errors=True)
     settings = [f"target_path={work / 'target'}", "target_gguf=", f"data_path={data}",
                 f"eval_data_path={Path(args.chat).resolve()}", f"eval_prompts={args.eval_prompts}",
                 f"max_steps={args.steps}", f"eval_every={args.eval_every}", f"save_every={args.steps}",
@@ -196,8 +200,6 @@ def train(args: argparse.Namespace) -> int:
     code = run_bounded(command, args.seconds, out / f"{args.name}-train.log",
                        {"PYTHONUNBUFFERED": "1", "GPUCTL_RUN_HOME": args.name})
     wall = time.perf_counter() - started
-    run = runs / args.name
-    export = run / "export"
     if not (export / "config.json").exists():  # stopped at --seconds: its SIGTERM checkpoint, exported
         subprocess.run(python("-m", "training.export", str(run), str(export)), cwd=ROOT, check=False)
     shutil.copy(run / "metrics.jsonl", out / f"{args.name}-metrics.jsonl")
@@ -205,6 +207,8 @@ def train(args: argparse.Namespace) -> int:
         split(export, out / f"{args.name}-export")
     summary = summarize_run(args.name, read_text(out / f"{args.name}-metrics.jsonl"), wall, len(lines))
     summary["exit_code"] = code
+    if (export / "config.json").exists():  # the row is of what is measured: the step the export was made at
+        summary["steps"] = json.loads((export / "config.json").read_text())["gpuctl"]["step"]
     earlier = work / f"{args.name}.json"  # a resumed run's earlier calls: their training time counts too
     if args.resume and earlier.exists():
         before = json.loads(earlier.read_text())

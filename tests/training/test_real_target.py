@@ -330,3 +330,61 @@ def test_a_bench_arm_trains_measures_in_the_reference_and_a_second_call_resumes_
                             capture_output=True, text=True)
     assert report.returncode == 0 and "served tau HumanEval" in report.stdout and "arm: tau by step" in report.stdout
     assert (tmp_path / "arms.png").stat().st_size > 10_000
+
+
+def test_a_second_call_stopped_mid_training_is_measured_at_the_step_it_stopped_at(smollm2, chats, tmp_path):
+    """An arm in two calls whose second call stops before its --steps (as --seconds stops it: SIGTERM to the
+    trainer, which checkpoints and writes no export): the bench exports that checkpoint, not the first call's
+    export, and the row's steps are the step it stopped at."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    bench, work, out, chat = bench_folders(smollm2, tmp_path)
+    small = [a for s in [*SMALL_RUN, "log_every=1"]
+             if not s.startswith(("devices=", "eval_prompts=", "save_every=", "max_steps=")) for a in ("--set", s)]
+    arm = bench + ["train", "--work", str(work), "--data", str(chats), "--chat", str(chat), "--eval-every", "1000",
+                   "--eval-prompts", "1", "--device", "cpu", "--name", "arm", "--out", str(out), "--no-export", *small]
+    first = subprocess.run(arm + ["--steps", "2"], capture_output=True, text=True, timeout=600, check=False)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    run = work / "runs-arm" / "arm"
+    assert json.loads((run / "export" / "config.json").read_text())["gpuctl"]["step"] == 2
+
+    second = subprocess.Popen(arm + ["--steps", "2000", "--resume", "--seconds", "3000"], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:  # until the resumed run has trained past the first call's steps
+            if _last_step(run / "metrics.jsonl") >= 4:
+                break
+            assert second.poll() is None, second.stdout.read()[-2000:]
+            time.sleep(0.2)
+        else:
+            pytest.fail("the resumed run never reached step 4")
+        trainers = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _cmdline(pid).startswith(
+            (sys.executable, "python")) and "training.train" in _cmdline(pid) and str(run.parent) in _cmdline(pid)]
+        assert len(trainers) == 1
+        os.kill(trainers[0], signal.SIGTERM)  # what run_bounded sends at --seconds
+        assert second.wait(timeout=600) == 0, second.stdout.read()[-2000:]
+    finally:
+        if second.poll() is None:
+            second.kill()
+    stopped_at = int(latest_checkpoint(run).name.removeprefix("step_"))
+    assert stopped_at >= 4
+    assert json.loads((run / "export" / "config.json").read_text())["gpuctl"]["step"] == stopped_at
+    row = json.loads((out / "arm.json").read_text())
+    assert row["steps"] == stopped_at and row["calls"] == 2
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _last_step(metrics: Path) -> int:
+    """The highest step of the whole lines written so far (the writer may be mid-line)."""
+    text = metrics.read_text()
+    return max((json.loads(line).get("step", 0) for line in text[: text.rfind("\n") + 1].splitlines()), default=0)
