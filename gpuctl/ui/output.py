@@ -24,15 +24,30 @@ if TYPE_CHECKING:
     from rich.console import Console, RenderableType
     from rich.segment import Segment
 
-# C0 but newline and tab, DEL, and C1 (U+0080-U+009F): what a terminal may act on rather than show; and lone
-# surrogates (a name read with surrogateescape), which no stream can encode.
-CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
+# C0 but newline and tab, DEL, and C1 (U+0080-U+009F): what a terminal may act on rather than show; the format
+# characters that reorder or hide what is shown (the Arabic letter mark, zero-width characters and directional
+# marks U+200B-U+200F, the line and paragraph separators, bidi embeddings, overrides and isolates U+202A-U+202E and
+# U+2066-U+2069, the word joiner and invisible operators, the BOM); and lone surrogates (a name read with
+# surrogateescape), which no stream can encode.
+CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff\ud800-\udfff]")
+
+
+def _escape(match: re.Match) -> str:
+    code = ord(match[0])
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
 
 
 def visible(text: str) -> str:
-    """Text from a container, safe to show: each control character (CONTROL) as a \\xNN escape, ESC as \\x1b,
-    DEL as \\x7f, CSI as \\x9b, a lone surrogate as \\udcNN; newlines and tabs stay."""
-    return CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}" if m[0] < "\ud800" else f"\\u{ord(m[0]):04x}", text)
+    """Text from a container, safe to show: each control or format character (CONTROL) as an escape: ESC as
+    \\x1b, DEL as \\x7f, CSI as \\x9b, a right-to-left override as \\u202e, a lone surrogate as \\udcNN; newlines
+    and tabs stay."""
+    return CONTROL.sub(_escape, text)
+
+
+def one_line(text: str) -> str:
+    """visible(), and a newline or tab as \\n or \\t: a field shown on one line (a cell, a name, a failure line)
+    can never forge the next row."""
+    return visible(text).replace("\n", "\\n").replace("\t", "\\t")
 
 
 def visible_log(text: str) -> str:

@@ -16,7 +16,7 @@ from rich.text import Text
 
 from gpuctl.commands.status import ContainerRuns, StatusReport
 from gpuctl.runs import Run, State
-from gpuctl.ui.output import Output, visible
+from gpuctl.ui.output import Output, one_line
 
 if TYPE_CHECKING:  # the results rendered here; each command's own module comes with the command
     from rich.progress import Progress
@@ -105,7 +105,7 @@ def _run_grid(run: Run, losses: list[float]) -> Table:
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column()
-    grid.add_row("run", Text.assemble((run.run_id, "bold"), f" ({run.name})" if run.name else "", "  ",
+    grid.add_row("run", Text.assemble((run.run_id, "bold"), f" ({one_line(run.name)})" if run.name else "", "  ",
                                       state_text(run)))
     pid = run.record.get("pid")
     grid.add_row("pid", f"{pid} (process group {run.record.get('pgid')})" if pid else "-")
@@ -122,7 +122,7 @@ def _run_grid(run: Run, losses: list[float]) -> Table:
     grid.add_row("log", f"{run.log_path} ({size(run.log_size)})")
     grid.add_row("progress", progress_text(run))
     if run.failure:
-        grid.add_row("failure", visible(run.failure))  # why it ended: its exit, last step, the log's last line
+        grid.add_row("failure", one_line(run.failure))  # why it ended: its exit, last step, the log's last line
     if spark := sparkline(losses):
         grid.add_row("loss", Text.assemble((spark, "cyan"), f"  {losses[0]:.4g} → {losses[-1]:.4g}"))
     if run.task == "setup":  # gpuctl setup's installation: no config
@@ -132,9 +132,9 @@ def _run_grid(run: Run, losses: list[float]) -> Table:
     if run.resumed_from:
         notes.append(f"resumed tl{run.resumed_from}")
     config = launch_text(run) + (f" ({', '.join(notes)})" if notes else "")
-    grid.add_row("config", visible(config))
+    grid.add_row("config", one_line(config))
     if retry := _retry_text(run):
-        grid.add_row("attempt", visible(retry))  # before Text drops BEL, BS, VT, FF and CR unseen
+        grid.add_row("attempt", one_line(retry))  # before Text drops BEL, BS, VT, FF and CR unseen
     return grid
 
 
@@ -181,7 +181,7 @@ def status_renderable(report: StatusReport | ClusterStatus) -> RenderableType:
         for gpu in report.gpus:
             util = f"{gpu.utilization}%" if gpu.utilization is not None else "-"
             memory = f"{gpu.memory_used_mib} / {gpu.memory_total_mib} MiB"
-            table.add_row(str(gpu.index), gpu.name, util, memory)
+            table.add_row(str(gpu.index), one_line(gpu.name), util, memory)
         parts.append(table)
     elif report.gpus_error:
         parts.append(Text(f"GPUs: unknown ({report.gpus_error})"))
@@ -264,9 +264,10 @@ def runs_table(out: Output, runs: list[Run], ctid: int, host: str, as_json: bool
         table.add_column(name, header_style="bold", no_wrap=name != "config")  # the launch wraps, not the log
     for run in runs:
         exit_code = "-" if run.exit_code is None else str(run.exit_code)
-        table.add_row(run.run_id, run.name or "-", run.task, state_text(run), exit_code, local_time(run.started_at),
-                      duration(run.elapsed_s), run.log_path or "-", size(run.log_size),
-                      f"tl{run.resumed_from}" if run.resumed_from else "-", visible(launch_text(run)))
+        table.add_row(run.run_id, one_line(run.name or "-"), one_line(run.task), state_text(run), exit_code,
+                      local_time(run.started_at), duration(run.elapsed_s), one_line(run.log_path or "-"),
+                      size(run.log_size),
+                      f"tl{run.resumed_from}" if run.resumed_from else "-", one_line(launch_text(run)))
     console.print(table)
 
 
@@ -319,12 +320,12 @@ def removed(out: Output, result: Removed | NodesRemoved, as_json: bool) -> None:
         verb = "would remove" if one.dry_run else "removed"
         for removal in one.removals:
             count = len(removal.paths)
-            console.print(Text.assemble(f"{where}{verb} ", (removal.run.label, "bold"),
+            console.print(Text.assemble(f"{where}{verb} ", (one_line(removal.run.label), "bold"),
                                         f" ({removal.run.state.value}): {count} path{'s' * (count != 1)}"))
             for path in removal.paths:
-                console.print(Text(f"  {visible(path)}"))
+                console.print(Text(f"  {one_line(path)}"))
             for path, why in removal.kept:
-                console.print(Text(f"  kept {visible(path)}: {visible(why)}"))
+                console.print(Text(f"  kept {one_line(path)}: {one_line(why)}"))
     if result.dry_run:
         out.message("--dry-run: nothing was removed")
 
@@ -390,7 +391,7 @@ def doctor_report(out: Output, report: DoctorReport, as_json: bool, to_stderr: b
 def _state_label(state: State | None, reason: str | None) -> Text:
     if state is None:
         return Text("no run", style="red")
-    return Text.assemble((state.value, STATE_STYLE[state]), f" ({visible(reason)})" if reason else "")
+    return Text.assemble((state.value, STATE_STYLE[state]), f" ({one_line(reason)})" if reason else "")
 
 
 def _gpus_text(gpus: list) -> str:
@@ -437,7 +438,7 @@ def cluster_status_renderable(report: ClusterStatus) -> RenderableType:
         where = n.node.address.describe()
         run, problem = n.run, n.problem()
         if run is None:
-            table.add_row(str(n.node.index), where, Text(visible(problem or "-"), style="red"), "-", "-", "-")
+            table.add_row(str(n.node.index), where, Text(one_line(problem or "-"), style="red"), "-", "-", "-")
             continue
         table.add_row(str(n.node.index), where, state_text(run), str(run.record.get("pid") or "-"),
                       progress_text(run), _gpus_text(n.report.gpus))

@@ -427,3 +427,24 @@ def test_a_mistake_in_the_timeouts_table_is_exit_2_before_anything_is_sent(xdg, 
     said = " ".join(captured.err.split())
     assert said == f"gpuctl: error: {xdg}/config/gpuctl/config.toml: {message}", said
     assert captured.out == ""
+
+
+def test_characters_that_reorder_or_hide_text_are_shown_and_one_line_fields_stay_one_line():
+    """Bidi overrides and isolates, zero-width characters, the BOM and the line separators are escaped like
+    controls; a name, task, path or config holding a newline cannot forge the next row of `runs`."""
+    import io
+
+    from gpuctl.ui.output import Output, one_line, visible
+    from gpuctl.ui.render import runs_table
+
+    tricky = "a\u202eb\u2066c\u2069d\u200be\ufefff\u2028g\u2029h\u061ci"
+    assert visible(tricky) == "a\\u202eb\\u2066c\\u2069d\\u200be\\ufefff\\u2028g\\u2029h\\u061ci"
+    assert visible("x\ny\tz\x1b") == "x\ny\tz\\x1b" and one_line("x\ny\tz") == "x\\ny\\tz"
+    forged = "exp\ntl9 (real) (succeeded)"
+    record = {"pid": 5, "exit_code": 1, "name": forged, "task": "train\u202e", "sets": ["lr=1\nx"],
+              "log": "/root/gpuctl/train_tl1.log\n"}
+    stdout = io.StringIO()
+    runs_table(Output(stdout, io.StringIO()), [run_with(record, False)], 200, "pve", as_json=False)
+    lines = stdout.getvalue().splitlines()
+    assert len(lines) == 2 and "exp\\ntl9 (real) (succeeded)" in lines[1] and "train\\u202e" in lines[1]
+    assert not any(c in stdout.getvalue() for c in "\u202e\u2028")

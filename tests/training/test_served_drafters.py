@@ -96,8 +96,9 @@ def test_sampled_tau_goes_through_the_reference_rejection_sampling_and_a_seed_re
 
 def test_speedup_times_the_loop_with_the_drafter_against_the_targets_own_greedy_decode(
         trained_run, tiny_world, tmp_path, monkeypatch, capsys):
-    """--speedup decodes every prompt twice, through the reference loop with the drafter and with a block of 1
-    (no drafter call at all), after one warm-up each, and reports tokens/s both ways and their ratio."""
+    """--speedup --loop reference decodes every prompt twice, through the reference loop with the drafter and
+    with a block of 1 (no drafter call at all), after one warm-up each, and reports tokens/s both ways and their
+    ratio (the fast loop's --speedup, the default: tests/training/test_fast_loop.py)."""
     blocks = []
     real = reference.dflash_generate
 
@@ -108,8 +109,8 @@ def test_speedup_times_the_loop_with_the_drafter_against_the_targets_own_greedy_
     monkeypatch.setattr(reference, "dflash_generate", counted)
     report = tmp_path / "speedup.json"
     argv = ["--export", str(trained_run / "export"), "--target", str(tiny_world.target), "--prompts",
-            str(prompt_file(tiny_world, tmp_path, 3)), "--new-tokens", str(NEW_TOKENS), "--speedup", "--json",
-            str(report)]
+            str(prompt_file(tiny_world, tmp_path, 3)), "--new-tokens", str(NEW_TOKENS), "--speedup", "--loop",
+            "reference", "--json", str(report)]
     assert acceptance_main(argv) == 0
     assert blocks == [None, 1] + [None, 1] * 3  # warm-up, then each prompt both ways
     found = json.loads(report.read_text())
