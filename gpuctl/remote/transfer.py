@@ -27,6 +27,7 @@ from typing import Any
 
 from gpuctl.errors import ExitCode, GpuctlError, usage_error
 from gpuctl.remote.protocol import RemoteFile
+from gpuctl.text import CONTROL
 
 STATE_FILE = ".gpuctl-pull.json"
 PART = ".part"
@@ -130,12 +131,14 @@ def _same(path: Path, remote: RemoteFile) -> bool:
 
 
 def _check_names(files: list[RemoteFile]) -> None:
-    """A container could name anything: only plain relative paths, so nothing lands outside DEST."""
+    """A container could name anything: only plain relative paths, so nothing lands outside DEST, and no control
+    or format character (a terminal escape, a right-to-left override) in a name a user's shell will list."""
     seen = set()
     for f in files:
         parts = PurePosixPath(f.name).parts
         if (not parts or f.name.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in f.name
-                or f.name.endswith(PART) or f.name == STATE_FILE or f.name in seen or "\0" in f.name):
+                or f.name.endswith(PART) or f.name == STATE_FILE or f.name in seen or CONTROL.search(f.name)
+                or "\n" in f.name or "\t" in f.name):
             raise GpuctlError(f"the container offered a file gpuctl will not write: {f.name!r}", ExitCode.RUN_FAILED)
         seen.add(f.name)
     for name in seen:  # `a` and `a/b`: one cannot be both a file and a directory

@@ -20,16 +20,12 @@ import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, TextIO
 
+from gpuctl.text import CONTROL
+
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
     from rich.segment import Segment
 
-# C0 but newline and tab, DEL, and C1 (U+0080-U+009F): what a terminal may act on rather than show; the format
-# characters that reorder or hide what is shown (the Arabic letter mark, zero-width characters and directional
-# marks U+200B-U+200F, the line and paragraph separators, bidi embeddings, overrides and isolates U+202A-U+202E and
-# U+2066-U+2069, the word joiner and invisible operators, the BOM); and lone surrogates (a name read with
-# surrogateescape), which no stream can encode.
-CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff\ud800-\udfff]")
 
 
 def _escape(match: re.Match) -> str:

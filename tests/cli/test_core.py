@@ -448,3 +448,16 @@ def test_characters_that_reorder_or_hide_text_are_shown_and_one_line_fields_stay
     lines = stdout.getvalue().splitlines()
     assert len(lines) == 2 and "exp\\ntl9 (real) (succeeded)" in lines[1] and "train\\u202e" in lines[1]
     assert not any(c in stdout.getvalue() for c in "\u202e\u2028")
+
+
+@pytest.mark.parametrize("name", ["w\x1b]2;pwned\x07\u202ecod.exe", "a\nb", "tab\there", "zero\u200bwidth",
+                                  "bom\ufeff", "../up", "/abs", "a/../b"])
+def test_pull_refuses_a_file_name_with_controls_or_a_way_out(name):
+    """What `pull` would write under DEST: plain relative names only, as the nodes' wire refuses them."""
+    from gpuctl.remote import transfer
+    from gpuctl.remote.protocol import RemoteFile
+
+    transfer._check_names([RemoteFile("export/model.safetensors", 1, "0" * 64), RemoteFile("a b.json", 1, "0" * 64)])
+    with pytest.raises(GpuctlError, match="the container offered a file gpuctl will not write") as refused:
+        transfer._check_names([RemoteFile(name, 1, "0" * 64)])
+    assert refused.value.code == ExitCode.RUN_FAILED and "\x1b" not in str(refused.value)
