@@ -100,9 +100,9 @@ MasterPort = Annotated[int | None, typer.Option(metavar="N", rich_help_panel=NOD
 Tail = Annotated[int | None, typer.Option("--tail", "-n", help="only the last LINES lines", metavar="LINES", min=0)]
 LogsFollow = Annotated[bool, typer.Option("--follow", "-f", help="stream until the run ends; exit with its outcome "
                                           "(0 succeeded, 1 otherwise)")]
-RawLog = Annotated[bool, typer.Option("--raw", help="to a terminal too, the log's bytes as they are (by default a "
-                                     "terminal is shown its control characters as \\xNN and a carriage return "
-                                     "as a line end; a pipe or a file always gets the bytes as they are)")]
+RawLog = Annotated[bool, typer.Option("--raw", help="the log's bytes as they are (by default its control "
+                                     "characters are shown as \\xNN and a carriage return as a line end, to a "
+                                     "terminal, a pipe or a file alike)")]
 LogNode = Annotated[int | None, typer.Option("--node", metavar="K", min=0, help="a multi-node run: node K's log "
                                              "[default: node 0's]")]
 

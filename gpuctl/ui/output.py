@@ -143,9 +143,9 @@ class Output:
         self.stdout.buffer.flush()
 
     def log_writer(self, raw: bool = False) -> LogWriter:
-        """Where a log's bytes go: to a pipe or a file (or with raw, `logs --raw`) untouched, to a terminal through
-        LogView."""
-        return LogWriter(self, None if raw or not self.stdout.isatty() else LogView())
+        """Where a log's bytes go: through LogView wherever stdout is (a pipe into `tail` on a terminal shows what
+        it gets), untouched only with raw (`logs --raw`)."""
+        return LogWriter(self, None if raw else LogView())
 
     def log_tail(self, data: bytes) -> None:
         """A log's last lines (a run that ended during its start), on stderr, made visible_log()."""

@@ -122,16 +122,22 @@ def test_status_shows_a_nodes_last_line_visibly(two_containers):
     assert "\\x1b]0;PWNED" in human.stdout and "\\x9b" in human.stdout
 
 
-def test_logs_to_a_terminal_are_made_visible_unless_raw_and_to_a_pipe_unchanged(gpuctl):
+def test_logs_are_made_visible_to_a_terminal_and_a_pipe_alike_unless_raw(gpuctl):
+    """`gpuctl logs | tail` on a terminal shows what the pipe got: the gate applies wherever the output goes;
+    --raw is the one way to the bytes as they are."""
     launched = gpuctl.launch_fake("steps=1", SAY)
     assert launched.code == 0, launched.stderr
     assert gpuctl("logs", "-f").code == 0  # the run has ended
     log = gpuctl.path("/workspace/train_tl1.log").read_bytes()
     assert PAYLOAD.encode() in log
 
-    piped = subprocess.run([sys.executable, "-m", "gpuctl", "logs"], cwd=gpuctl.source, env=gpuctl.env,
-                           capture_output=True, check=False)
-    assert piped.returncode == 0 and piped.stdout == log  # a pipe: `cat`
+    for args in (["logs"], ["logs", "-f"]):
+        piped = subprocess.run([sys.executable, "-m", "gpuctl", *args], cwd=gpuctl.source, env=gpuctl.env,
+                               capture_output=True, check=False)
+        assert piped.returncode == 0 and SHOWN in assert_inert(piped.stdout), args
+    raw = subprocess.run([sys.executable, "-m", "gpuctl", "logs", "--raw"], cwd=gpuctl.source, env=gpuctl.env,
+                         capture_output=True, check=False)
+    assert raw.returncode == 0 and raw.stdout == log  # --raw: `cat`
     for args in (["logs"], ["logs", "-f"]):
         code, shown = on_terminal(gpuctl, *args)
         text = shown.decode()
