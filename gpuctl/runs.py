@@ -8,6 +8,7 @@ still lives is read from its lock, which the launch passes on to the wrapper and
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -15,6 +16,7 @@ from enum import Enum
 from typing import Any
 
 from gpuctl.errors import usage_error
+from gpuctl.paths import RECORDS_DIR
 
 # Linux's numbers, not the workstation's (macOS numbers USR1 differently): the run is on Linux.
 LINUX_SIGNALS = {"HUP": 1, "INT": 2, "QUIT": 3, "KILL": 9, "USR1": 10, "USR2": 12, "TERM": 15}
@@ -104,6 +106,48 @@ class Progress:
                 "tokens_per_s": self.tokens_per_s, "eta_s": self.eta_s}
 
 
+# What a run's record (`.gpuctl/tlN.json`, written in the container) may hold, field by field: a record is checked
+# against this where gpuctl reads it (`checked_record`); a field of another kind is left out and named in the run's
+# `problem`, so a record a container garbled (or forged) shows as such and never reaches arithmetic or formatting.
+TEXT, WHOLE, TIME, FLAG, TEXTS = "a string", "an integer", "a time in seconds", "true or false", "a list of strings"
+RECORD_SCHEMA = {
+    **dict.fromkeys(("name", "task", "config", "log_path", "killed_signal", "failure", "python", "venv", "home",
+                     "workdir", "launched_by", "last_failure", "retry_stopped", "retry_of", "master_addr"), TEXT),
+    **dict.fromkeys(("number", "exit_code", "pid", "pgid", "resumed_from", "retried_as", "attempt", "retries",
+                     "retries_left", "master_port"), WHOLE),
+    **dict.fromkeys(("launched_at", "started_at", "ended_at"), TIME),
+    "queued": FLAG,
+    **dict.fromkeys(("sets", "attempts", "env"), TEXTS),
+}
+LATEST_TIME = 1e11  # seconds since 1970: the year 5138, past any clock (and within what datetime can show)
+
+
+def _fits(value: Any, kind: str) -> bool:
+    if kind == TEXT:
+        return isinstance(value, str)
+    if kind == WHOLE:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == TIME:
+        return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                and 0 <= value < LATEST_TIME)
+    if kind == FLAG:
+        return isinstance(value, bool)
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
+def checked_record(value: Any) -> tuple[dict[str, Any], str | None]:
+    """A record as read from the container: the fields that have their kind (RECORD_SCHEMA; others pass as they
+    are), and what was wrong, in one line (None when nothing was)."""
+    if not isinstance(value, dict):
+        return {}, f"the record is not a JSON object but {type(value).__name__}"
+    bad = [key for key, kind in RECORD_SCHEMA.items() if value.get(key) is not None and not _fits(value[key], kind)]
+    if not bad:
+        return value, None
+    why = "; ".join(f"{key} is {json.dumps(value[key], ensure_ascii=True)[:40]}, not {RECORD_SCHEMA[key]}"
+                    for key in bad)
+    return {key: item for key, item in value.items() if key not in bad}, why
+
+
 def remote_json(data: bytes) -> Any:
     """A JSON document from the container, decoded as UTF-8 with replacement, never strictly: one byte that is not
     UTF-8 in a record (a log's last line carried into it) shows as U+FFFD instead of failing every command."""
@@ -118,7 +162,7 @@ def parse_metrics_lines(text: bytes) -> list[dict[str, Any]]:
             record = remote_json(line)
         except ValueError:
             continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int):
+        if isinstance(record, dict) and _fits(record.get("step"), WHOLE):
             records.append(record)
     return records
 
@@ -132,17 +176,24 @@ def parse_progress(first: bytes | None, last: bytes | None, active: bool) -> Pro
         head, tail = remote_json(first or b"null"), remote_json(last or b"null")
     except ValueError:
         return None  # a line being written as we read it
-    if not isinstance(tail, dict) or not isinstance(tail.get("step"), int):
+    if not isinstance(tail, dict) or not _fits(tail.get("step"), WHOLE) or tail["step"] < 0:
         return None
-    step, total = tail["step"], tail.get("total_steps")
+    step = tail["step"]
+    total = tail.get("total_steps") if _fits(tail.get("total_steps"), WHOLE) and tail["total_steps"] > 0 else None
+    loss, rate = (number(tail.get(key)) for key in ("loss", "tokens_per_s"))
     eta = None
-    if active and isinstance(total, int) and isinstance(head, dict):
+    if active and total is not None and isinstance(head, dict) and _fits(head.get("step", step), WHOLE):
         steps = step - head.get("step", step)
-        seconds = (tail.get("time") or 0) - (head.get("time") or 0)
+        seconds = (number(tail.get("time")) or 0) - (number(head.get("time")) or 0)
         if steps > 0 and seconds > 0:
             eta = round(max(total - step, 0) * seconds / steps, 1)
-    return Progress(step=step, total_steps=total, loss=tail.get("loss"), tokens_per_s=tail.get("tokens_per_s"),
-                    eta_s=eta)
+    return Progress(step=step, total_steps=total, loss=loss, tokens_per_s=rate, eta_s=eta)
+
+
+def number(value: Any) -> float | None:
+    """A metrics line's figure when it is one: a finite number (a string, NaN or a list is no figure)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return value if ok else None
 
 
 @dataclass(frozen=True)
@@ -153,6 +204,19 @@ class Run:
     log_size: int | None = None  # None: not asked; -1 in the remote output means the log is gone
     progress: Progress | None = None
     now: float | None = None  # the container's clock when it was asked
+    problem: str | None = None  # what was wrong with the record as read (its bad fields are left out)
+
+    @classmethod
+    def remote(cls, number: int, record: bytes | Any, alive: bool, **facts: Any) -> Run:
+        """A run from what the container said: its record (the file's bytes, or its JSON already decoded) checked
+        against RECORD_SCHEMA."""
+        if isinstance(record, bytes):
+            try:
+                record = remote_json(record)
+            except ValueError:
+                return cls(number=number, record={}, alive=alive, problem="the record is not JSON", **facts)
+        checked, problem = checked_record(record)
+        return cls(number=number, record=checked, alive=alive, problem=problem, **facts)
 
     @property
     def run_id(self) -> str:
@@ -255,7 +319,15 @@ class Run:
             "task": self.task,
             "python": self.record.get("python"),
             **self.retry_json(),
+            "record_problem": self.problem,
         }
+
+    @property
+    def problem_line(self) -> str | None:
+        """The run's malformed record, in one line: which file, what is wrong."""
+        if self.problem is None:
+            return None
+        return f"{self.run_id}: its record {RECORDS_DIR}/{self.run_id}.json is malformed: {self.problem}"
 
     def retry_json(self) -> dict[str, Any]:
         """`launch --retry`: which attempt this run is (1: the launched one), the retries left after it, the

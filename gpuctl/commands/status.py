@@ -11,7 +11,7 @@ from gpuctl.errors import ExitCode, GpuctlError
 from gpuctl.remote import scripts
 from gpuctl.remote.container import Container, ContainerNotRunning
 from gpuctl.remote.protocol import TAIL_BYTES, MetricsChain
-from gpuctl.runs import Run, parse_metrics_lines
+from gpuctl.runs import Run, number, parse_metrics_lines
 
 LOSS_HISTORY_POINTS = 60  # losses `status` fetches for its sparkline
 
@@ -58,7 +58,7 @@ class StatusReport:
     def to_json(self) -> dict:
         keys = ("run_id", "name", "state", "exit_code", "pid", "pgid", "started_at", "queued_at", "ended_at",
                 "elapsed_s", "log_path", "log_size", "progress", "config", "sets", "killed_signal", "failure",
-                "resumed_from", "task", "python",
+                "resumed_from", "task", "python", "record_problem",
                 "attempt", "attempts_left", "retry_of", "attempts", "last_failure", "retried_as", "retry_stopped")
         doc = self.run.to_json() if self.run else dict.fromkeys(keys)
         doc["gpus"] = [g.to_json() for g in self.gpus]
@@ -89,7 +89,7 @@ def status(ct: Container, run_number: int = 0, last_line: bool = False) -> Statu
                             ct_origin=ct.address.remembered("ct"))
     run = inspection.runs[0] if inspection.runs else None
     history = parse_metrics_lines(inspection.histories.get(run.number, b"")) if run else []
-    by_step = {r["step"]: r["loss"] for r in history if isinstance(r.get("loss"), (int, float))}  # last line twice
+    by_step = {r["step"]: r["loss"] for r in history if number(r.get("loss")) is not None}  # last line twice
     losses = [by_step[step] for step in sorted(by_step)]
     tail = inspection.tails.get(run.number, b"") if run else b""
     line = shown_line(tail.decode(errors="replace").strip(), cut=len(tail) >= TAIL_BYTES)

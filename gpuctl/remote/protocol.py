@@ -104,7 +104,7 @@ class LaunchReply:
             if name == "active":
                 numbers.append(int(value))
             elif name == "active_record":
-                records.append(remote_json(value or b"{}"))
+                records.append(value or b"{}")
             elif name in ("holder", "recovered", "python", "python_from", "address"):
                 found[name] = value.decode(errors="replace")
             elif name == "manifest":
@@ -113,7 +113,7 @@ class LaunchReply:
                 found[name] = remote_json(value)
             elif name in ("last_number", "name_taken"):
                 found[name] = int(value)
-        active = [Run(number=n, record=record, alive=True) for n, record in zip(numbers, records)]
+        active = [Run.remote(n, record, alive=True) for n, record in zip(numbers, records)]
         return cls(active=active, **found)
 
 
@@ -144,9 +144,9 @@ class Inspection:
         runs, tails, rests, histories = [], {}, {}, {}
         for facts in facts_by_run:
             alive = facts.get("alive") == b"1"
-            runs.append(Run(
-                number=facts["number"],
-                record=remote_json(facts["record"]),
+            runs.append(Run.remote(
+                facts["number"],
+                facts["record"],
                 alive=alive,
                 log_size=int(facts["log_size"]) if "log_size" in facts else None,
                 progress=parse_progress(facts.get("metrics_first"), facts.get("metrics_last"), alive),
@@ -177,8 +177,7 @@ class KillReply:
         if "run" not in sections:
             return cls(run=None, pids=[])
         pids = [int(p) for p in sections.get("pids", b"").split()]
-        return cls(run=Run(number=int(sections["run"]), record=remote_json(sections["record"]), alive=bool(pids)),
-                   pids=pids)
+        return cls(run=Run.remote(int(sections["run"]), sections["record"], alive=bool(pids)), pids=pids)
 
 
 @dataclass(frozen=True)
@@ -190,14 +189,14 @@ class MetricsChain:
     @classmethod
     def parse(cls, data: bytes) -> MetricsChain:
         links = []
-        number, record = 0, {}
+        number, record = 0, b"{}"
         for name, value in parse_sections(data):
             if name == "run":
                 number = int(value)
             elif name == "record":
-                record = remote_json(value)
+                record = value
             elif name == "metrics":
-                links.append((Run(number=number, record=record, alive=False), parse_metrics_lines(value)))
+                links.append((Run.remote(number, record, alive=False), parse_metrics_lines(value)))
         links.reverse()  # the script walks from the run back to the one it resumed
         return cls(links)
 
@@ -231,9 +230,9 @@ class RemoveReply:
             if name in ("remove", "active"):
                 number = int(value)
             elif name == "record":
-                removals.append(Removal(Run(number=number, record=remote_json(value), alive=False), [], []))
+                removals.append(Removal(Run.remote(number, value, alive=False), [], []))
             elif name == "active_record":
-                active.append(Run(number=number, record=remote_json(value), alive=True))
+                active.append(Run.remote(number, value, alive=True))
             elif name == "path" and removals:
                 removals[-1].paths.append(text)
             elif name == "kept":
@@ -297,7 +296,7 @@ class PullReply:
         sections = dict(parse_sections(data))
         run = None
         if "run" in sections:
-            run = Run(number=int(sections["run"]), record=remote_json(sections.get("record") or b"{}"), alive=False)
+            run = Run.remote(int(sections["run"]), sections.get("record") or b"{}", alive=False)
         files = []
         for line in sections.get("manifest", b"").decode(errors="surrogateescape").splitlines():
             size, sha256, name = line.split(" ", 2)
@@ -358,7 +357,7 @@ class DoctorReply:
             if name == "active":
                 numbers.append(int(value))
             elif name == "active_record":
-                records.append(remote_json(value or b"{}"))
+                records.append(value or b"{}")
             else:
                 found[name] = value
         text = {k: v.decode(errors="replace") for k, v in found.items()}
@@ -373,7 +372,7 @@ class DoctorReply:
             error = f"exit {text.get('probe_rc', '?')}" + (f": {said[-1]}" if said else "")
         return cls(python=text.get("python", ""), python_from=text.get("python_from", ""),
                    python_found=python_found, probe=probe, probe_error=error,
-                   active=[Run(number=n, record=r, alive=True) for n, r in zip(numbers, records)],
+                   active=[Run.remote(n, r, alive=True) for n, r in zip(numbers, records)],
                    last_run=remote_json(found["last_run"]) if found.get("last_run") else None,
                    last_setup=remote_json(found["last_setup"]) if found.get("last_setup") else None,
                    workspace=workspace, compile_cache_bytes=int(cache) if cache.isdigit() else None,

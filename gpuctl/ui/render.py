@@ -5,6 +5,7 @@ With --json, stdout carries exactly one JSON document and human messages go to s
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from datetime import datetime
@@ -16,7 +17,7 @@ from rich.text import Text
 
 from gpuctl.commands.status import ContainerRuns, StatusReport
 from gpuctl.runs import Run, State
-from gpuctl.ui.output import Output, one_line
+from gpuctl.ui.output import Output, one_line, visible
 
 if TYPE_CHECKING:  # the results rendered here; each command's own module comes with the command
     from rich.progress import Progress
@@ -98,6 +99,8 @@ def sparkline(values: list[float], width: int = 40) -> str:
         means.append(sum(chunk) / len(chunk))
     low, high = min(means), max(means)
     span = (high - low) or 1.0
+    if not all(math.isfinite(x) for x in (low, high, span)):  # losses near the float limits: no picture
+        return ""
     return "".join(SPARK[min(int((m - low) / span * len(SPARK)), len(SPARK) - 1)] for m in means)
 
 
@@ -107,6 +110,8 @@ def _run_grid(run: Run, losses: list[float]) -> Table:
     grid.add_column()
     grid.add_row("run", Text.assemble((run.run_id, "bold"), f" ({one_line(run.name)})" if run.name else "", "  ",
                                       state_text(run)))
+    if run.problem:
+        grid.add_row("record", Text(one_line(f"malformed: {run.problem}"), style="red"))
     pid = run.record.get("pid")
     grid.add_row("pid", f"{pid} (process group {run.record.get('pgid')})" if pid else "-")
     if run.never_started:  # launch --queue: when it queued, and how long it has waited (or waited)
@@ -134,7 +139,7 @@ def _run_grid(run: Run, losses: list[float]) -> Table:
     config = launch_text(run) + (f" ({', '.join(notes)})" if notes else "")
     grid.add_row("config", one_line(config))
     if retry := _retry_text(run):
-        grid.add_row("attempt", one_line(retry))  # before Text drops BEL, BS, VT, FF and CR unseen
+        grid.add_row("attempt", visible(retry))  # before Text drops BEL, BS, VT, FF and CR unseen
     return grid
 
 
@@ -144,18 +149,19 @@ def launch_text(run: Run) -> str:
 
 
 def _retry_text(run: Run) -> str:
-    """`launch --retry`: the attempt, the retries left, the attempts before it, how the last one failed."""
+    """`launch --retry`: the attempt, the retries left, the attempts before it, how the last one failed (a line
+    each, every remote field kept to its line)."""
     r = run.retry_json()
     if r["attempt"] == 1 and not r["attempts_left"] and not r["retried_as"]:
         return ""
     text = f"{r['attempt']} ({r['attempts_left']} retries left"
-    text += f"; after {', '.join(r['attempts'])})" if r["attempts"] else ")"
+    text += f"; after {one_line(', '.join(r['attempts']))})" if r["attempts"] else ")"
     if r["last_failure"]:
-        text += f"\nlast failure: {r['last_failure']}"
+        text += f"\nlast failure: {one_line(r['last_failure'])}"
     if r["retried_as"]:
         text += f"\nretried as {r['retried_as']}"
     if r["retry_stopped"]:
-        text += f"\n{r['retry_stopped']}"
+        text += f"\n{one_line(r['retry_stopped'])}"
     return text
 
 
@@ -269,6 +275,9 @@ def runs_table(out: Output, runs: list[Run], ctid: int, host: str, as_json: bool
                       size(run.log_size),
                       f"tl{run.resumed_from}" if run.resumed_from else "-", one_line(launch_text(run)))
     console.print(table)
+    for run in runs:
+        if run.problem_line:
+            out.message(one_line(run.problem_line))
 
 
 def launch_result(out: Output, result: LaunchResult, as_json: bool, to_stderr: bool, show_tail: bool) -> None:
