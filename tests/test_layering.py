@@ -74,3 +74,26 @@ def test_modules_import_only_lower_layers(package):
             elif rank[imported] >= rank[module]:
                 wrong.append(f"{module} imports {imported}, which is not on a lower line")
     assert not wrong, "\n".join(wrong)
+
+
+def test_every_project_file_the_product_names_exists():
+    """Prose that ages: a template, module or document the product's comments and docstrings name must be there
+    (a module that moved left `gpuctl/protocol.py` in four templates)."""
+    named = re.compile(r"(?<![\w$~./-])((?:gpuctl|training|templates|tests|bench|docs|scripts)/[\w/.-]*\.\w+)")
+    stale = []
+    for path in sorted([*(REPO / "templates").glob("*.j2"), *(REPO / "gpuctl").rglob("*.py"),
+                        *(REPO / "training").rglob("*.py")]):
+        for name in named.findall(path.read_text()):
+            name = name.rstrip(".")
+            if not re.search(r"[A-Z]{3,}", name) and not (REPO / name).exists():  # NAME.j2: a placeholder
+                stale.append(f"{path.relative_to(REPO)}: {name}")
+    assert not stale, stale
+
+
+def test_the_product_cites_what_its_readers_have_not_issue_numbers():
+    """A comment or docstring of the product cites docs/ARCHITECTURE.md, which users have, never the tracker."""
+    cited = [f"{path.relative_to(REPO)}: {line.strip()[:80]}"
+             for path in sorted([*(REPO / "templates").glob("*.j2"), *(REPO / "gpuctl").rglob("*.py"),
+                                 *(REPO / "training").rglob("*.py")])
+             for line in path.read_text().splitlines() if re.search(r"\bissues? \d+", line)]
+    assert not cited, cited

@@ -3,7 +3,7 @@ gpuctl.commands for the scope resolved once (one container or a node set), rende
 Output. Nothing else lives here.
 
 Each command imports what it uses when it runs (the core, Rich, paramiko): `gpuctl --help` and `--version` import
-none of it, and a command only its own part (issue 29: a CLI that starts at once).
+none of it, and a command only its own part: a CLI that starts at once.
 """
 
 import functools

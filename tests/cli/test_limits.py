@@ -1,4 +1,4 @@
-"""Limits (DESIGN §11, ARCHITECTURE "Limits"): nothing waits forever, nothing grows without bound. A hung
+"""Limits (ARCHITECTURE §2, "Time"): nothing waits forever, nothing grows without bound. A hung
 nvidia-smi, a frozen sshd and a refused login end in bounded time with their exit codes; a log of progress bars
 with no newline costs `status` a few KiB, not its size."""
 

@@ -1,4 +1,4 @@
-"""Compiled stages beside flex_attention, under the same discipline (ARCHITECTURE §6; issue 27).
+"""Compiled stages beside flex_attention, under the same discipline (ARCHITECTURE §6).
 
 `compile = "all"` compiles the target's decoder layers, and the drafter's fusion layer and layer halves around
 attention (`compiled_drafter_stages`, warmed by training/compile/run.py). The target's: the 34 layers of a

@@ -1,4 +1,4 @@
-"""Decoding with a static KV cache, each step replayed as one CUDA graph (issue 28; ARCHITECTURE §6).
+"""Decoding with a static KV cache, each step replayed as one CUDA graph (ARCHITECTURE §6).
 
 transformers' `generate` launches every kernel of every layer from Python for each token: a small target's decode
 step is bound by those launches, not by the GPU. Here a batch of `rows` prompts, left-padded to `width`, decodes
