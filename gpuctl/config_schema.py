@@ -93,7 +93,9 @@ def config_values(schema: dict[str, Any], task: str, config: str) -> tuple[dict[
             raise usage_error(f"config file not found: {config} (a --config file is read on this machine and staged)")
         return _read_toml(local, str(local)), str(local)
     if config not in schema["presets"]:
-        raise usage_error(f"no preset named {config!r} (known: {', '.join(schema['presets'])}) and no such file")
+        near = difflib.get_close_matches(config, schema["presets"], n=1)
+        raise usage_error(f"no preset named {config!r} (known: {', '.join(schema['presets'])}) and no such file"
+                          + (f"; did you mean {near[0]!r}?" if near else ""))
     if config not in schema["tasks"][task]["presets"]:
         other = [t for t, spec in schema["tasks"].items() if config in spec["presets"]]
         raise usage_error(f"preset {config!r} is not a {task} config" + (f" (it is --task {other[0]}'s)" if other else ""))

@@ -5,6 +5,7 @@ the entry point prints it and exits 2.
 """
 
 import dataclasses
+import difflib
 import re
 import types
 import typing
@@ -497,8 +498,10 @@ def resolve_preset(name_or_path: str) -> Path:
         return path
     preset = PRESETS_DIR / f"{name_or_path}.toml"
     if not preset.is_file():
-        known = ", ".join(sorted(p.stem for p in PRESETS_DIR.glob("*.toml")))
-        raise ConfigError(f"no preset named {name_or_path!r} (known: {known}) and no such file")
+        names = sorted(p.stem for p in PRESETS_DIR.glob("*.toml"))
+        near = difflib.get_close_matches(name_or_path, names, n=1)
+        raise ConfigError(f"no preset named {name_or_path!r} (known: {', '.join(names)}) and no such file"
+                          + (f"; did you mean {near[0]!r}?" if near else ""))
     return preset
 
 

@@ -16,6 +16,8 @@ KNOWN_PRESETS = ("no preset named 'tinny' (known: qwen3-8b, qwen3-8b-random, smo
                  "tiny, tiny-regenerate)")
 MISTAKES = [
     (("--config", "tinny"), KNOWN_PRESETS),
+    (("--config", "tinyy"), "no preset named 'tinyy' (known: "),
+    (("--config", "tinyy"), "and no such file; did you mean 'tiny'?"),
     # the trainer's own rules, with its own messages (issue 39): a range, a choice, a rule across fields
     (("--set", "max_steps=-5"), "max_steps must be > 0, got -5 (the trainer's check of preset tiny --set max_steps=-5)"),
     (("--set", "lrr=3e-4"), "unknown config key 'lrr' (--set lrr=3e-4); did you mean 'lr'?"),

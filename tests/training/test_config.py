@@ -75,8 +75,11 @@ def test_bad_config_is_a_one_line_error(overrides, message):
 
 
 def test_unknown_preset_and_bad_toml(tmp_path):
-    with pytest.raises(ConfigError, match="no preset named 'nope'"):
+    with pytest.raises(ConfigError, match="no preset named 'nope'") as unknown:
         load_config("nope")
+    assert "did you mean" not in str(unknown.value)  # nothing near it
+    with pytest.raises(ConfigError, match="and no such file; did you mean 'tiny'[?]$"):
+        load_config("tinyy")
     bad = tmp_path / "bad.toml"
     bad.write_text("max_steps = = 3\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
