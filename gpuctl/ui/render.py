@@ -64,7 +64,10 @@ def local_time(epoch: float | None) -> str:
 
 def state_text(run: Run) -> Text:
     label = run.state.value
-    if run.state in (State.FAILED, State.KILLED) and run.exit_code is not None:
+    signal = run.record.get("killed_signal") if run.state == State.KILLED else None
+    if signal and run.exit_code is not None:  # exit 0 (it stopped cleanly on TERM) or 143 (it did not catch it)
+        label += f" (by {one_line(signal)}, exit {run.exit_code})"
+    elif run.state in (State.FAILED, State.KILLED) and run.exit_code is not None:
         label += f" (exit {run.exit_code})"
     if run.record.get("retried_as"):
         label += f", retried as tl{run.record['retried_as']}"
@@ -330,7 +333,7 @@ def removed(out: Output, result: Removed | NodesRemoved, as_json: bool) -> None:
         for removal in one.removals:
             count = len(removal.paths)
             console.print(Text.assemble(f"{where}{verb} ", (one_line(removal.run.label), "bold"),
-                                        f" ({removal.run.state.value}): {count} path{'s' * (count != 1)}"))
+                                        f", {removal.run.state.value}: {count} path{'s' * (count != 1)}"))
             for path in removal.paths:
                 console.print(Text(f"  {one_line(path)}"))
             for path, why in removal.kept:

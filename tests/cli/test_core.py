@@ -461,3 +461,23 @@ def test_pull_refuses_a_file_name_with_controls_or_a_way_out(name):
     with pytest.raises(GpuctlError, match="the container offered a file gpuctl will not write") as refused:
         transfer._check_names([RemoteFile(name, 1, "0" * 64)])
     assert refused.value.code == ExitCode.RUN_FAILED and "\x1b" not in str(refused.value)
+
+
+def test_a_killed_run_says_by_which_signal_beside_its_exit_and_a_removal_has_one_pair_of_parentheses():
+    import io
+
+    from gpuctl.commands.remove import Removed
+    from gpuctl.remote.protocol import Removal
+    from gpuctl.ui.output import Output
+    from gpuctl.ui.render import removed, state_text
+
+    clean = run_with({"pid": 5, "exit_code": 0, "killed_signal": "TERM"}, False)
+    forced = run_with({"pid": 5, "exit_code": 143, "killed_signal": "TERM"}, False)
+    failed = run_with({"pid": 5, "exit_code": 2}, False)
+    assert [state_text(r).plain for r in (clean, forced, failed)] == [
+        "killed (by TERM, exit 0)", "killed (by TERM, exit 143)", "failed (exit 2)"]
+    named = Run(number=5, record={"pid": 5, "exit_code": 0, "killed_signal": "TERM", "name": "long-one"}, alive=False)
+    stdout = io.StringIO()
+    removed(Output(stdout, io.StringIO()), Removed([Removal(named, ["/workspace/train_tl5.log"], [])], dry_run=True,
+                                                   ctid=200, host="pve"), as_json=False)
+    assert stdout.getvalue().splitlines()[0] == "would remove tl5 (long-one), killed: 1 path"
