@@ -67,6 +67,9 @@ class LogView:
         return visible_log(text[:-1] if self._cr else text)
 
 
+TRAILING_SPACES = re.compile(r"[ \t]+$", re.MULTILINE)
+
+
 @functools.cache
 def visible_console() -> type[Console]:
     """VisibleConsole, made (with Rich imported) the first time it is asked for."""
@@ -85,8 +88,12 @@ def visible_console() -> type[Console]:
             return super().render_str(visible(text), **kwargs)
 
         def _render_buffer(self, buffer: Iterable[Segment]) -> str:
-            return super()._render_buffer(
+            text = super()._render_buffer(
                 segment if segment.control else Segment(visible(segment.text), segment.style) for segment in buffer)
+            if self.is_terminal:
+                return text
+            # to a pipe or a file: no padding after a line's last cell (grep, diff and `cut` see only the text)
+            return TRAILING_SPACES.sub("", text)
 
     return VisibleConsole
 

@@ -448,6 +448,7 @@ def test_characters_that_reorder_or_hide_text_are_shown_and_one_line_fields_stay
     lines = stdout.getvalue().splitlines()
     assert len(lines) == 2 and "exp\\ntl9 (real) (succeeded)" in lines[1] and "train\\u202e" in lines[1]
     assert not any(c in stdout.getvalue() for c in "\u202e\u2028")
+    assert not any(line.endswith((" ", "\t")) for line in lines)  # a pipe gets no padding after the last cell
 
 
 @pytest.mark.parametrize("name", ["w\x1b]2;pwned\x07\u202ecod.exe", "a\nb", "tab\there", "zero\u200bwidth",
