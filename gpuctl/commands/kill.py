@@ -40,8 +40,8 @@ def _kill_step(ct: Container, run_number: int, action: str, signal_name: str) ->
 
 
 def kill(ct: Container, run_number: int, signal_name: str, grace: float, notify: Notify) -> KillResult:
-    started = time.monotonic()
     signalled = _kill_step(ct, run_number, "signal", signal_name)
+    started = time.monotonic()  # the grace, and the time the result says, count from the signal
     run = signalled.run
     if run is None or not signalled.pids:
         return KillResult(run=run, signalled=False)
