@@ -79,6 +79,10 @@ class Address:
         if not named:
             return ""
         if FROM_REMEMBERED in named:
+            typed = [k for k in keys if k not in found and getattr(self, k, None) not in (None, "")]
+            if typed:  # the user gave some of them: name only what came from it
+                remembered = [k for k in keys if found.get(k) == FROM_REMEMBERED]
+                return f" ({', '.join(remembered)} from {FROM_REMEMBERED}; {FORGET})"
             return f" (from {FROM_REMEMBERED}; {FORGET})"
         return f" (from {', '.join(dict.fromkeys(named))})"
 

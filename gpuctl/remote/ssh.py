@@ -606,7 +606,13 @@ def _login(endpoint: Endpoint, timeout: float, opened: list[paramiko.SSHClient])
         said = "" if str(e) in ("", "Authentication failed.") else f" ({e})"
         raise host_error(f"cannot log in to {where}: authentication failed: the host accepted none of the keys "
                          f"tried{said} ({tried}); pass --identity KEY") from None
-    except (paramiko.SSHException, OSError, EOFError) as e:
+    except paramiko.SSHException as e:
+        if str(e) == "No authentication methods available":  # paramiko found no key at all to offer
+            raise host_error(f"cannot log in to {where}: gpuctl has no SSH key to offer (no --identity, none in "
+                             "ssh-agent, no ~/.ssh/id_* and no IdentityFile in the ssh config): pass --identity KEY, "
+                             "add one to the agent (ssh-add KEY), or name one in ~/.ssh/config") from None
+        raise _handshake_failure(endpoint, client.get_transport(), heard, timeout, e) from None
+    except (OSError, EOFError) as e:
         raise _handshake_failure(endpoint, client.get_transport(), heard, timeout, e) from None
     finally:
         if client.get_transport() is None or not client.get_transport().is_authenticated():

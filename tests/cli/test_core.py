@@ -482,3 +482,15 @@ def test_a_killed_run_says_by_which_signal_beside_its_exit_and_a_removal_has_one
     removed(Output(stdout, io.StringIO()), Removed([Removal(named, ["/workspace/train_tl5.log"], [])], dry_run=True,
                                                    ctid=200, host="pve"), as_json=False)
     assert stdout.getvalue().splitlines()[0] == "would remove tl5 (long-one), killed: 1 path"
+
+
+def test_an_error_names_only_the_settings_that_came_from_the_remembered_target():
+    from gpuctl.address import FORGET, FROM_REMEMBERED, Address
+
+    keys = ("host", "port", "user", "identity", "ssh_config")
+    typed = Address(host="127.0.0.1", ct=200, port=1, identity="/k", sources=(("identity", FROM_REMEMBERED),))
+    assert typed.remembered(*keys) == f" (identity from {FROM_REMEMBERED}; {FORGET})"
+    everything = Address(host="pve", ct=200, identity="/k",
+                         sources=(("host", FROM_REMEMBERED), ("identity", FROM_REMEMBERED), ("ct", FROM_REMEMBERED)))
+    assert everything.remembered(*keys) == f" (from {FROM_REMEMBERED}; {FORGET})"
+    assert Address(host="pve", ct=200).remembered(*keys) == ""

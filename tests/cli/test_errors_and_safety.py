@@ -88,6 +88,17 @@ def test_target_given_without_ssh_config(gpuctl, standin):
     assert positional.code == 0, positional.stderr
 
 
+def test_no_key_at_all_says_how_to_give_one(gpuctl, standin):
+    """No --identity, no agent, no ~/.ssh/id_*, no ssh config: exit 3 with the ways to give a key, not
+    paramiko's 'No authentication methods available'."""
+    env = {"GPUCTL_SSH_CONFIG": "", "GPUCTL_HOST": ""}
+    result = gpuctl("status", "--host", "127.0.0.1", "--port", str(standin.port), "--accept-new-host-key", env=env)
+    assert result.code == 3, result.stderr
+    assert "has no SSH key to offer" in result.stderr and "--identity KEY" in result.stderr
+    assert "ssh-add" in result.stderr and "No authentication methods" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
 def test_unreachable_host_and_bad_login_exit_3(gpuctl, standin, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
