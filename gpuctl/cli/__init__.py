@@ -85,7 +85,10 @@ def run(argv: list[str] | None = None, out: Output | None = None) -> int:
     invocation = Invocation(out, container_argv)  # what its connection costs: its session counts into it
     try:
         command = click_command(help_asked=bool({"-h", "--help"} & set(argv)))
-        return int(command.main(args=argv, prog_name="gpuctl", standalone_mode=False, obj=invocation) or 0)
+        code = int(command.main(args=argv, prog_name="gpuctl", standalone_mode=False, obj=invocation) or 0)
+        if code == ExitCode.INTERRUPTED:  # Typer's own answer to a Ctrl-C before a command ran (ours raise, said)
+            out.message("interrupted")
+        return code
     except GpuctlError as e:
         # An interrupt the user asked for (Ctrl-C in logs -f, status --watch), or nothing left to do (a resume of a
         # finished run), is said, not reported as an error.

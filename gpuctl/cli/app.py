@@ -6,6 +6,7 @@ Each command imports what it uses when it runs (the core, Rich, paramiko): `gpuc
 none of it, and a command only its own part: a CLI that starts at once.
 """
 
+import contextlib
 import functools
 import inspect
 import sys
@@ -152,7 +153,10 @@ def with_address(func: Callable | None = None, *, target: bool = True) -> Callab
         timeouts()  # a mistake in config.toml's [timeouts] is exit 2 before anything is sent
         if wants_argv:  # gpuctl shell's words after `--` (gpuctl.cli.run took them out before Click)
             kwargs["container_argv"] = ctx.obj.container_argv
-        return func(flags=flags, out=ctx.obj.out, stats=ctx.obj.stats, **kwargs)
+        try:
+            return func(flags=flags, out=ctx.obj.out, stats=ctx.obj.stats, **kwargs)
+        except KeyboardInterrupt:  # said here: Typer would turn it into a silent exit 130
+            raise GpuctlError("interrupted", ExitCode.INTERRUPTED) from None
 
     params = [context, *added[:1], *own, *added[1:]] if target else [context, *own, *added]
     command.__signature__ = inspect.Signature(params)
@@ -188,7 +192,11 @@ def launch(flags: AddressFlags, out: "Output", stats: "ssh.Stats", task: Task = 
         out.write(scope.plan_launch(opts))
         return ExitCode.OK
     progress = None if json_ else (lambda total: render.TransferProgress(out, total, "staging"))
-    with scope.connected(stats):
+    with contextlib.ExitStack() as connection:
+        try:
+            connection.enter_context(scope.connected(stats))
+        except KeyboardInterrupt:
+            raise GpuctlError("interrupted while connecting: nothing was started", ExitCode.INTERRUPTED) from None
         try:
             result = scope.launch(opts, notify=out.message, progress=progress)
         except commands.Finished as done:  # --resume of a run that did all its steps: said, exit 0, nothing started

@@ -7,11 +7,14 @@ multi-node launch can hear every node before any starts.
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import json
 import os
+import signal
 import socket
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -149,8 +152,50 @@ def start(ct: Container, values: dict[str, Any], package_for: PackageFor, task: 
     return begin(ct, values, task, notify).finish(package_for, replace_active, notify, progress, queue=queue)
 
 
+def nothing_started(ct: Container, replaced: list[KillResult] = ()) -> GpuctlError:
+    """Ctrl-C before gpuctl said go: launch.sh reads no answer (its stdin ends with gpuctl) and starts nothing."""
+    killed = f" ({', '.join(r.run.run_id for r in replaced if r.run)} was killed first: --replace)" if replaced else ""
+    return GpuctlError(f"interrupted before the start: nothing was started in CT {ct.ctid}{killed}",
+                       ExitCode.INTERRUPTED)
+
+
+def started_anyway(number: int) -> GpuctlError:
+    return GpuctlError(f"interrupted: tl{number} was started (the start was sent before the Ctrl-C) and runs on; "
+                       f"gpuctl kill --run {number} stops it", ExitCode.INTERRUPTED)
+
+
+@contextlib.contextmanager
+def deferred_interrupt() -> Iterator[list[int]]:
+    """From gpuctl's go to the container's answer, a first Ctrl-C is remembered (the list it yields), not raised:
+    the container is starting the run, and gpuctl must learn its number to say so. A second one interrupts at once.
+    The handler only records (it may run inside a print of the main thread). Signals reach the main thread only:
+    elsewhere (a node's start in a multi-node launch, which has its own) nothing changes."""
+    asked: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield asked
+        return
+
+    def remember(signum: int, frame: Any) -> None:
+        if asked:
+            raise KeyboardInterrupt
+        asked.append(signum)
+
+    previous = signal.signal(signal.SIGINT, remember)
+    try:
+        yield asked
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def begin(ct: Container, values: dict[str, Any], task: str, notify: Notify) -> PendingStart:
     """The first half of launch.sh's conversation: the lock taken, the container's report read."""
+    try:
+        return _begin(ct, values, task, notify)
+    except KeyboardInterrupt:
+        raise nothing_started(ct) from None
+
+
+def _begin(ct: Container, values: dict[str, Any], task: str, notify: Notify) -> PendingStart:
     remote = ct.start("launch", **values)
     head, waiting = remote.read_until(LAUNCH_WAITING)
     if not waiting:  # the script ended before it could stage
@@ -197,8 +242,33 @@ class PendingStart:
         as run `number` (None: the next one there), wait until it runs. secret: a multi-node run's node secret,
         which the container keeps for the run in tlN.secret (launch_go). queue: with runs active, the task is
         queued behind them instead (its wrapper waits in the container; the result's run is `queued`)."""
-        ct, remote, report = self.ct, self.remote, self.report
-        replaced = []
+        replaced: list[KillResult] = []
+        try:
+            plan, package, queue = self._before_go(package_for, replace_active, notify, queue, replaced)
+        except KeyboardInterrupt:
+            raise nothing_started(self.ct, replaced) from None
+        try:
+            with deferred_interrupt() as asked:
+                reply, sent_file_bytes = self._go(plan, package, number, secret, queue, progress)
+        except KeyboardInterrupt:  # a second Ctrl-C while the start was under way
+            raise GpuctlError(f"interrupted while CT {self.ct.ctid} was starting the run: it may have started "
+                              "(gpuctl status shows it; gpuctl kill stops it)", ExitCode.INTERRUPTED) from None
+        number = reply.record["number"]
+        if asked:
+            raise started_anyway(number)
+        try:
+            run, tail = wait_until_started(self.ct, number)
+        except KeyboardInterrupt:
+            raise started_anyway(number) from None
+        behind = sorted(r.number for r in self.report.active) if run.record.get("queued") else []
+        return LaunchResult(run=run, package=package, plan=plan, sent_file_bytes=sent_file_bytes, tail=tail,
+                            replaced=replaced, python=self.report.python, python_from=self.report.python_from,
+                            queued_behind=behind)
+
+    def _before_go(self, package_for: PackageFor, replace_active: bool, notify: Notify, queue: bool,
+                   replaced: list[KillResult]) -> tuple[StagePlan, Package, bool]:
+        """What comes before gpuctl's go: the conflicts, --replace's kills (into `replaced`), the staging plan."""
+        ct, report = self.ct, self.report
         queue = queue and bool(report.active)
         setup = next((run for run in report.active if run.task == "setup"), None)
         if queue and setup and report.python_from != "option":
@@ -216,7 +286,12 @@ class PendingStart:
                 notify(f"--replace: killing tl{active.number} first")
                 replaced.append(kill(ct, active.number, "TERM", grace=30.0, notify=notify))
         package = package_for(report)
-        plan = plan_stage(package, report.manifest)
+        return plan_stage(package, report.manifest), package, queue
+
+    def _go(self, plan: StagePlan, package: Package, number: int | None, secret: str | None, queue: bool,
+            progress: Progress | None) -> tuple[LaunchReply, int]:
+        """gpuctl's go and the package, then the container's answer: the run started (or queued)."""
+        ct, remote = self.ct, self.remote
         remote.send(launch_go(plan.changed_bytes, package.manifest(), number, secret, queue=queue))
         tracker = progress(plan.changed_bytes) if progress and plan.archive else None
         try:
@@ -231,11 +306,7 @@ class PendingStart:
             raise _active_conflict(ct, reply.active)
         if result.rc != 0 or reply.record is None:
             raise ct.failure(result, "launch")
-        run, tail = wait_until_started(ct, reply.record["number"])
-        behind = sorted(r.number for r in report.active) if run.record.get("queued") else []
-        return LaunchResult(run=run, package=package, plan=plan, sent_file_bytes=sent_file_bytes, tail=tail,
-                            replaced=replaced, python=report.python, python_from=report.python_from,
-                            queued_behind=behind)
+        return reply, sent_file_bytes
 
 
 def wait_until_started(ct: Container, number: int) -> tuple[Run, bytes]:

@@ -19,7 +19,7 @@ from gpuctl.address import resolve as resolve_address
 from gpuctl.commands.options import LaunchOptions, check_launch_options
 from gpuctl.commands.session import Notify, Progress, connected, reconnecting
 from gpuctl.commands.status import ContainerRuns, StatusReport, list_runs, status
-from gpuctl.errors import usage_error
+from gpuctl.errors import ExitCode, GpuctlError, usage_error
 from gpuctl.runs import RunRef
 
 if TYPE_CHECKING:
@@ -59,9 +59,13 @@ class One:
         return self.ct
 
     def launch(self, opts: LaunchOptions, notify: Notify, progress: Progress | None) -> LaunchResult:
+        from gpuctl.commands.detached import nothing_started
         from gpuctl.commands.launch import launch
 
-        return launch(self.ct, self.address, opts, notify=notify, progress=progress)
+        try:
+            return launch(self.ct, self.address, opts, notify=notify, progress=progress)
+        except KeyboardInterrupt:  # before the container's lock (reading a resumed run): nothing was sent to start
+            raise nothing_started(self.ct) from None
 
     def remember(self, result: LaunchResult, warn: Notify) -> None:
         """Keep this target for the next command (after the launch is shown: a failure here is a warning)."""
@@ -132,7 +136,11 @@ class NodeSet:
     def launch(self, opts: LaunchOptions, notify: Notify, progress: Progress | None) -> multi.ClusterLaunch:
         from gpuctl.commands import nodes as multi
 
-        return multi.launch(self.nodes, opts, self.master_addr, self.master_port, notify=notify)
+        try:
+            return multi.launch(self.nodes, opts, self.master_addr, self.master_port, notify=notify)
+        except KeyboardInterrupt:  # multi.launch undid every node's start before it let this through
+            raise GpuctlError("interrupted: the run was started on no node, or killed on every node where it had "
+                              "started (all or nothing)", ExitCode.INTERRUPTED) from None
 
     def remember(self, result: multi.ClusterLaunch, warn: Notify) -> None:
         kept(lambda: remember(self.addresses[0], nodes=self.addresses, run=result.number), warn)
