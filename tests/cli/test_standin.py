@@ -144,7 +144,7 @@ def test_up_makes_the_containers_and_gpus_asked_for(tmp_path):
     standin = tmp_path / "standin"
     started = up(sys.executable, env, "--dir", str(standin), "--containers", "2")
     try:
-        assert "CT 200, 201 running with 0 fake GPUs each" in started.stderr
+        assert "CT 200, 201 running without GPUs (a CPU machine" in started.stderr
         assert env["GPUCTL_CT"] == "200"
         for ctid in ("200", "201"):
             checked = run_with(sys.executable, env | {"GPUCTL_CT": ctid}, "-m", "gpuctl", "doctor", "--json")

@@ -69,8 +69,10 @@ def up(host: StandInHost, args: argparse.Namespace) -> int:
         if ctid not in host.containers():
             host.add_container(ctid, gpus=fake_gpus(args.gpus))
     listed = ", ".join(map(str, ctids))
-    print(f"stand-in Proxmox host on 127.0.0.1:{host.port}, CT {listed} running with {args.gpus} fake "
-          f"GPU{'s' * (args.gpus != 1)} each, state in {args.dir}", file=sys.stderr)
+    gpus = (f"with {args.gpus} fake GPU{'s' * (args.gpus != 1)} each" if args.gpus else
+            "without GPUs (a CPU machine: the tiny run trains on the CPU; --gpus N gives fake ones)")
+    print(f"stand-in Proxmox host on 127.0.0.1:{host.port}, CT {listed} running {gpus}, state in {args.dir}",
+          file=sys.stderr)
     sys.stdout.write(exports(host, args.ct))
     return 0
 
