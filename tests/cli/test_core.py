@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import jinja2
@@ -494,3 +495,31 @@ def test_an_error_names_only_the_settings_that_came_from_the_remembered_target()
                          sources=(("host", FROM_REMEMBERED), ("identity", FROM_REMEMBERED), ("ct", FROM_REMEMBERED)))
     assert everything.remembered(*keys) == f" (from {FROM_REMEMBERED}; {FORGET})"
     assert Address(host="pve", ct=200).remembered(*keys) == ""
+
+
+def test_a_scripts_heartbeat_takes_its_sleep_with_it_when_the_script_ends(tmp_path):
+    """The heartbeat of every script gpuctl talks to: stopped at the script's end, it leaves no `sleep` behind in
+    the container (one was left after every status and runs, until its sleep ran out)."""
+    import subprocess
+    import time
+
+    alive_s = "37.25"  # a value no other process sleeps for
+    script = scripts.render("lib.sh", records_dir=str(tmp_path), alive_s=alive_s) + "\nsleep 0.2\n"
+
+    def sleepers() -> list[str]:
+        return [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline(pid) == f"sleep {alive_s}"]
+
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 0 and done.stderr.startswith("@@alive"), done.stderr
+    deadline = time.monotonic() + 5
+    while sleepers() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not sleepers()
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
