@@ -56,6 +56,14 @@ def module_sharing_a_fixture(item: pytest.Item) -> str | None:
     return module.nodeid if shared else None
 
 
+def command_line(pid: str | int) -> str:
+    """A process's command line as one string ("" once it is gone): what a test looks for among /proc's."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
 def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
     """A directory that `build` fills once per test session. Under pytest-xdist each worker is a session of its
     own: the first worker to ask builds it in the directory the workers share (their base temp dir's parent),

@@ -25,6 +25,7 @@ from gpuctl.remote.protocol import (
     section,
 )
 from gpuctl.runs import Run, State, check_run_name, parse_progress, parse_run_ref, parse_signal
+from tests.conftest import command_line
 
 
 @pytest.fixture
@@ -507,7 +508,7 @@ def test_a_scripts_heartbeat_takes_its_sleep_with_it_when_the_script_ends(tmp_pa
     script = scripts.render("lib.sh", records_dir=str(tmp_path), alive_s=alive_s) + "\nsleep 0.2\n"
 
     def sleepers() -> list[str]:
-        return [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline(pid) == f"sleep {alive_s}"]
+        return [pid for pid in os.listdir("/proc") if pid.isdigit() and command_line(pid) == f"sleep {alive_s}"]
 
     done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30, check=False)
     assert done.returncode == 0 and done.stderr.startswith("@@alive"), done.stderr
@@ -516,10 +517,3 @@ def test_a_scripts_heartbeat_takes_its_sleep_with_it_when_the_script_ends(tmp_pa
         time.sleep(0.01)
     assert not sleepers()
 
-
-def _cmdline(pid: str) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""

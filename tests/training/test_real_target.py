@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer
 
+from tests.conftest import command_line
 from training.config import ConfigError
 from training.output.checkpoint import latest_checkpoint
 from training.serve.acceptance import load_prompts
@@ -362,8 +363,8 @@ def test_a_second_call_stopped_mid_training_is_measured_at_the_step_it_stopped_a
             time.sleep(0.2)
         else:
             pytest.fail("the resumed run never reached step 4")
-        trainers = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _cmdline(pid).startswith(
-            (sys.executable, "python")) and "training.train" in _cmdline(pid) and str(run.parent) in _cmdline(pid)]
+        trainers = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and command_line(pid).startswith(
+            (sys.executable, "python")) and "training.train" in command_line(pid) and str(run.parent) in command_line(pid)]
         assert len(trainers) == 1
         os.kill(trainers[0], signal.SIGTERM)  # what run_bounded sends at --seconds
         assert second.wait(timeout=600) == 0, second.stdout.read()[-2000:]
@@ -375,13 +376,6 @@ def test_a_second_call_stopped_mid_training_is_measured_at_the_step_it_stopped_a
     assert json.loads((run / "export" / "config.json").read_text())["gpuctl"]["step"] == stopped_at
     row = json.loads((out / "arm.json").read_text())
     assert row["steps"] == stopped_at and row["calls"] == 2
-
-
-def _cmdline(pid: str) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def _last_step(metrics: Path) -> int:

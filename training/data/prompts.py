@@ -220,7 +220,7 @@ def build_mix(entries: list[MixEntry], seed: int = 0, max_turns: int = 0, chat_p
             kept = clean(offered, contamination, dedup, counts)
         kept = kept[: entry.count] if entry.count is not None else kept
         counts.kept = len(kept)
-        sources[str(entry).rpartition(":")[0] if entry.count is not None else str(entry)] = counts.as_dict()
+        sources[entry.path or entry.source] = counts.as_dict()
         train += kept
     random.Random(seed).shuffle(train)
     report = {"mix": [str(e) for e in entries], "seed": seed, "max_turns": max_turns, "sources": sources,

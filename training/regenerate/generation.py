@@ -56,6 +56,19 @@ def left_padded(prompts: list[list[int]], rows: int, width: int, pad_id: int) ->
     return ids, mask
 
 
+def ended_at_last_reply(messages: list[dict], at: int) -> list[dict]:
+    """A conversation whose reply at `at` does not fit in the target's window: it ends at its last reply (or, with
+    none yet, at the prompt, which then trains nothing)."""
+    replied = [n for n, m in enumerate(messages[:at]) if m["role"] == "assistant"]
+    return messages[: replied[-1] + 1 if replied else at]
+
+
+def output_record(record: PromptRecord, messages: list[dict], truncated: bool, shortened: bool) -> dict:
+    """An output line: the record's id and its messages, and "truncated" / "shortened" when they hold."""
+    return {"id": record.id, "messages": messages, **({"truncated": True} if truncated else {}),
+            **({"shortened": True} if shortened else {})}
+
+
 class ReplicaGenerator:
     """One device's target replica and tokenizer: a batch of records -> regenerated records."""
 
@@ -151,28 +164,22 @@ class ReplicaGenerator:
             replies = self.replies([conversations[i][: positions[i][turn]] for i in rows])
             for i, reply in zip(rows, replies):
                 at = positions[i][turn]
-                if reply is None:  # no room left in the target's window: the conversation ends at its last reply
-                    replied = [n for n, m in enumerate(conversations[i][:at]) if m["role"] == "assistant"]
-                    conversations[i] = conversations[i][: replied[-1] + 1 if replied else at]
+                if reply is None:  # no room left in the target's window
+                    conversations[i] = ended_at_last_reply(conversations[i], at)
                     positions[i], shortened[i] = positions[i][:turn], True
                     continue
                 text, count, cut = reply
                 conversations[i][at:at + 1] = [{"role": "assistant", "content": text}]
                 truncated[i] |= cut
                 tokens += count
-        outputs = []
-        for record, messages, cut, short in zip(records, conversations, truncated, shortened):
-            outputs.append({"id": record.id, "messages": messages, **({"truncated": True} if cut else {}),
-                            **({"shortened": True} if short else {})})
-        return outputs, tokens
-
+        return [output_record(*row) for row in zip(records, conversations, truncated, shortened)], tokens
 
     def regenerate_continuously(self, records: list[PromptRecord]) -> tuple[list[dict], int]:
         """regenerate's records through the continuous decoder: each conversation's next turn is queued the moment
         its reply is known (the turn order and the records are regenerate's)."""
         conversations = [copy.deepcopy(r.messages) for r in records]
         positions = [reply_positions(r.messages) for r in records]
-        flags: list[dict] = [{} for _ in records]
+        truncated, shortened = [False] * len(records), [False] * len(records)
         turns, tokens = [0] * len(records), 0
         limit = self.context_limit
 
@@ -183,9 +190,7 @@ class ReplicaGenerator:
             at = positions[i][turns[i]]
             prompt = encode_chat(self.tokenizer, conversations[i][:at], True, self.config.template_options())
             if len(prompt) + self.config.max_new_tokens > limit:
-                replied = [n for n, m in enumerate(conversations[i][:at]) if m["role"] == "assistant"]
-                conversations[i] = conversations[i][: replied[-1] + 1 if replied else at]
-                flags[i]["shortened"] = True
+                conversations[i], shortened[i] = ended_at_last_reply(conversations[i], at), True
                 return None
             return i, prompt
 
@@ -194,8 +199,7 @@ class ReplicaGenerator:
             reply, count, cut = reply_of(generated, self.eos_ids)
             at = positions[i][turns[i]]
             conversations[i][at:at + 1] = [{"role": "assistant", "content": self.tokenizer.decode(reply)}]
-            if cut:
-                flags[i]["truncated"] = True
+            truncated[i] |= cut
             tokens += count
             turns[i] += 1
             return job(i)
@@ -205,10 +209,7 @@ class ReplicaGenerator:
                                                         self.config.max_new_tokens, self.eos_ids, self.pad_id,
                                                         self.counters)
         self.decoder_continuous.decode([j for j in map(job, range(len(records))) if j is not None], finished)
-        outputs = [{"id": r.id, "messages": m, **({"truncated": True} if f.get("truncated") else {}),
-                    **({"shortened": True} if f.get("shortened") else {})}
-                   for r, m, f in zip(records, conversations, flags)]
-        return outputs, tokens
+        return [output_record(*row) for row in zip(records, conversations, truncated, shortened)], tokens
 
 
 class EngineGenerator(ReplicaGenerator):

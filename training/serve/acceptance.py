@@ -62,7 +62,7 @@ from training.model.dflash2 import build_drafter
 from training.model.drafter import Drafter
 from training.serve.evaluate import build_eval_set, produced_per_step, tau
 from training.serve.export import read_export
-from training.serve.fast_loop import FastLoop, check_matches
+from training.serve.fast_loop import FastLoop, cache_length, check_matches
 from training.serve.fast_loop import measure_speedup as measure_fast_speedup
 from training.serve.fast_loop import report_speedup as report_fast_speedup
 from training.target.from_gguf import ensure_target_from_gguf
@@ -211,23 +211,16 @@ def encoded_prompts(target: Target, prompts: list[tuple[str, str]]) -> list[list
             for _, text in prompts]
 
 
-def fast_loop(models: Models, encoded: list[list[int]], new_tokens: int, drafter: bool = True) -> FastLoop:
-    """The fast loop sized for these prompts (training/serve/fast_loop.py); one line if they cannot fit."""
-    length = max(len(ids) for ids in encoded) + new_tokens + models.drafter.config.block_size
-    window = getattr(models.target.config, "max_position_embeddings", None)
-    if window and length > window:
-        raise ConfigError(f"the longest prompt ({max(map(len, encoded))} tokens), --new-tokens {new_tokens} and a "
-                          f"block need {length} positions; the target's window is {window}")
-    return FastLoop(models.target.model, models.drafter if drafter else None, stop_ids(models.target), length)
-
-
 def measure(models: Models, prompts: list[tuple[str, str]], new_tokens: int, loop: str = "reference"
             ) -> list[PromptResult]:
     """Every prompt through the reference loop (or the fast loop), checked against the target's greedy
     choices, and the trainer's tau on the same continuation."""
     reference, target = reference_module(), models.target
     encoded = encoded_prompts(target, prompts)
-    fast = fast_loop(models, encoded, new_tokens) if loop == "fast" else None
+    fast = None
+    if loop == "fast":  # sized for these prompts (training/serve/fast_loop.py); one line if they cannot fit
+        length = cache_length(models.target.config, encoded, new_tokens, models.drafter.config.block_size)
+        fast = FastLoop(models.target.model, models.drafter, stop_ids(models.target), length)
     results = []
     for (name, _), ids in zip(prompts, encoded):
         if fast is not None:
@@ -470,7 +463,6 @@ def speedup(models: Models, prompts: list[tuple[str, str]], args) -> int:
     --loop reference the reference loop against itself with a block of 1."""
     if args.loop == "fast":
         encoded = encoded_prompts(models.target, prompts)
-        fast_loop(models, encoded, args.new_tokens)  # the window check, before any timing
         tokenizer = models.target.tokenizer
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids(models.target)[0]
         summary = measure_fast_speedup(models.target.model, models.drafter, encoded, args.new_tokens,

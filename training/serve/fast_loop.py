@@ -74,6 +74,17 @@ def check_pair(drafter: Drafter | None, target_config) -> None:
         raise ConfigError("the fast loop does not run sliding-window drafter layers yet: use --loop reference")
 
 
+def cache_length(target_config, prompts: list[list[int]], new_tokens: int, block: int) -> int:
+    """The cache these prompts need (the longest, new_tokens and one block); one line if the target's window is
+    shorter."""
+    length = max(len(p) for p in prompts) + new_tokens + block
+    window = getattr(target_config, "max_position_embeddings", None)
+    if window and length > window:
+        raise ConfigError(f"the longest prompt ({max(map(len, prompts))} tokens), --new-tokens {new_tokens} and a "
+                          f"block need {length} positions; the target's window is {window}")
+    return length
+
+
 @contextlib.contextmanager
 def attention_of(model, implementation: str):
     """The target attends through `implementation` inside the block (the loop's 4-D boolean masks)."""
@@ -296,11 +307,7 @@ def measure_speedup(target_model, drafter: Drafter, prompts: list[list[int]], ne
     """Greedy, batch 1, every prompt through transformers' static-cache `generate`, this loop with a block of 1
     and this loop with the drafter, in this process, after one untimed pass of the first prompt through each."""
     device = target_model.get_input_embeddings().weight.device
-    length = max(len(p) for p in prompts) + new_tokens + drafter.config.block_size
-    window = getattr(target_model.config, "max_position_embeddings", None)
-    if window and length > window:
-        raise ConfigError(f"the longest prompt, {new_tokens} new tokens and a block need {length} positions; the "
-                          f"target's window is {window}")
+    length = cache_length(target_model.config, prompts, new_tokens, drafter.config.block_size)
     alone = FastLoop(target_model, None, stop_ids, length)
     drafted = FastLoop(target_model, drafter, stop_ids, length)
 
